@@ -42,36 +42,33 @@ def supports(x: torch.Tensor) -> bool:
 
 
 def _kernel_source(
-    x_ptr, v_ptr, s_ptr, bad_ptr,
-    n_rows, n_kb, x_row_stride,
-    MIN_BYTE: tl.constexpr, ROWS: tl.constexpr, KB: tl.constexpr, INT_ROUND: tl.constexpr, IS_BF16: tl.constexpr,
+    x_ptr, v_ptr, s_ptr, bad_ptr, n_blocks,
+    MIN_BYTE: tl.constexpr, NB: tl.constexpr, INT_ROUND: tl.constexpr, IS_BF16: tl.constexpr,
+    WIDE_INDEX: tl.constexpr,
 ):
-    pid_r = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rows = pid_r * ROWS + tl.arange(0, ROWS)
-    kbs = pid_k * KB + tl.arange(0, KB)
-    lane = tl.arange(0, 32)
-    blk_mask = (rows < n_rows)[:, None] & (kbs < n_kb)[None, :]
-    rows64 = rows.to(tl.int64)
-    col = kbs[None, :, None] * 32 + lane[None, None, :]
-    raw = tl.load(x_ptr + rows64[:, None, None] * x_row_stride + col, mask=blk_mask[:, :, None], other=0)
+    pid = tl.program_id(0)
+    if WIDE_INDEX:
+        pid = pid.to(tl.int64)
+    blk = pid * NB + tl.arange(0, NB)
+    blk_mask = blk < n_blocks
+    offs = blk[:, None] * 32 + tl.arange(0, 32)[None, :]
+    raw = tl.load(x_ptr + offs, mask=blk_mask[:, None], other=0)
     raw = raw.to(tl.int32) & 0xFFFF
     if IS_BF16:
         bits = raw << 16
     else:  # float16 -> float32 bits; its subnormals m * 2**-24 are float32 normals
         e5 = (raw >> 10) & 0x1F
         m10 = raw & 0x3FF
-        sub = ((m10.to(tl.float32) * 5.9604644775390625e-08).to(tl.int32, bitcast=True))
+        sub = (m10.to(tl.float32) * 5.9604644775390625e-08).to(tl.int32, bitcast=True)
         normal = ((e5 + 112) << 23) | (m10 << 13)
         bits = tl.where(e5 == 0, sub, tl.where(e5 == 0x1F, 0x7F800000 | (m10 << 13), normal))
         bits = bits | ((raw & 0x8000) << 16)
     xf = bits.to(tl.float32, bitcast=True)
     mag = bits & 0x7FFFFFFF
-    amag = tl.max(mag, axis=2)
+    amag = tl.max(mag, axis=1)
 
-    flat = rows64[:, None] * n_kb + kbs[None, :]
-    bad_here = tl.where(blk_mask & (amag >= 0x7F800000), flat, 2147483647)
-    first_bad = tl.min(tl.min(bad_here, axis=1), axis=0).to(tl.int32)
+    bad_here = tl.where(blk_mask & (amag >= 0x7F800000), blk, 2147483647)
+    first_bad = tl.min(bad_here, axis=0).to(tl.int32)
     tl.atomic_min(bad_ptr, first_bad, mask=first_bad < 2147483647)
 
     sb = (amag >> 23) - 8 + ((amag & 0x7FFFFF) > 0x600000).to(tl.int32)
@@ -81,7 +78,7 @@ def _kernel_source(
         e = mag >> 23
         sig = tl.where(e == 0, mag & 0x7FFFFF, (mag & 0x7FFFFF) | 0x800000)
         top = (sig.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127
-        q = tl.maximum(e, 1) - 23 - sb[:, :, None]
+        q = tl.maximum(e, 1) - 23 - sb[:, None]
         shift = tl.minimum(tl.maximum(top - 3, -9 - q), 25)
         kept = sig >> shift
         rem = sig & ((1 << shift) - 1)
@@ -95,12 +92,11 @@ def _kernel_source(
         k1 = k >> 1
         f1 = ((k1 + 127) << 23).to(tl.float32, bitcast=True)
         f2 = ((k - k1 + 127) << 23).to(tl.float32, bitcast=True)
-        y = (xf * f1[:, :, None]) * f2[:, :, None]
+        y = (xf * f1[:, None]) * f2[:, None]
         byte = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
 
-    out_off = rows64[:, None, None] * (n_kb * 32) + col
-    tl.store(v_ptr + out_off, byte, mask=blk_mask[:, :, None])
-    tl.store(s_ptr + flat, sb.to(tl.uint8), mask=blk_mask)
+    tl.store(v_ptr + offs, byte, mask=blk_mask[:, None])
+    tl.store(s_ptr + blk, sb.to(tl.uint8), mask=blk_mask)
 
 
 def _kernel():
@@ -116,34 +112,33 @@ def quantize_into(
     scales: torch.Tensor,
     min_byte: int,
     *,
-    rows: int = 8,
-    kb: int = 8,
+    blocks_per_program: int = 128,
+    num_warps: int = 4,
     int_round: bool | None = None,
     bad: torch.Tensor | None = None,
 ) -> int | None:
     """Quantize ``x`` into contiguous ``values`` / ``scales``; returns the first bad block or None.
 
-    Pass ``bad`` (an int32 [1] tensor set to INT32_MAX) to collect non-finite reports from
-    several launches and check once, without a synchronization per tensor.
+    Blocks are consecutive runs of 32 elements of the contiguous input, so one flat index
+    serves 2-D and 3-D tensors alike. Pass ``bad`` (an int32 [1] tensor set to INT32_MAX)
+    to collect non-finite reports from several launches and check once, without a
+    synchronization per tensor.
     """
-    K = x.shape[-1]
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    n_rows, n_kb = x2.shape[0], K // 32
-    if n_rows == 0:
+    if not x.is_contiguous():
+        x = x.contiguous()
+    n_blocks = x.numel() // 32
+    if n_blocks == 0:
         return None
     if int_round is None:
         int_round = interpreting()
     own_bad = bad is None
     if own_bad:
         bad = torch.full((1,), _INT32_MAX, dtype=torch.int32, device=x.device)
-    grid = (triton.cdiv(n_rows, rows), triton.cdiv(n_kb, kb))
+    grid = (triton.cdiv(n_blocks, blocks_per_program),)
     _kernel()[grid](
-        x2.view(torch.int16), values.view(torch.uint8), scales, bad,
-        n_rows, n_kb, x2.stride(0),
-        MIN_BYTE=min_byte, ROWS=rows, KB=kb, INT_ROUND=int_round, IS_BF16=x.dtype == torch.bfloat16,
-        num_warps=4,
+        x.view(torch.int16), values.view(torch.uint8), scales, bad, n_blocks,
+        MIN_BYTE=min_byte, NB=blocks_per_program, INT_ROUND=int_round, IS_BF16=x.dtype == torch.bfloat16,
+        WIDE_INDEX=x.numel() >= 2**31, num_warps=num_warps,
     )
     if not own_bad:
         return None
