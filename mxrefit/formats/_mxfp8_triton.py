@@ -21,14 +21,10 @@ import os
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # triton is optional: the torch path serves without it
-    triton = None
+import triton
+import triton.language as tl
 
 _INT32_MAX = 2**31 - 1
-_KERNELS: dict[bool, object] = {}
 
 
 def interpreting() -> bool:
@@ -36,23 +32,16 @@ def interpreting() -> bool:
 
 
 def supports(x: torch.Tensor) -> bool:
-    if triton is None or x.dtype not in (torch.bfloat16, torch.float16):
+    if x.dtype not in (torch.bfloat16, torch.float16):
         return False
     return x.is_cuda or (interpreting() and x.device.type == "cpu")
 
 
-def _kernel_source(
-    x_ptr, v_ptr, s_ptr, bad_ptr, n_blocks,
-    MIN_BYTE: tl.constexpr, NB: tl.constexpr, INT_ROUND: tl.constexpr, IS_BF16: tl.constexpr,
-    WIDE_INDEX: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    if WIDE_INDEX:
-        pid = pid.to(tl.int64)
-    blk = pid * NB + tl.arange(0, NB)
-    blk_mask = blk < n_blocks
+@triton.jit
+def _quantize_blocks(src, dst_values, dst_scales, blk, blk_mask, MIN_BYTE: tl.constexpr, INT_ROUND: tl.constexpr, IS_BF16: tl.constexpr):
+    """Quantize blocks ``blk`` (consecutive runs of 32) of one tensor; returns which were non-finite."""
     offs = blk[:, None] * 32 + tl.arange(0, 32)[None, :]
-    raw = tl.load(x_ptr + offs, mask=blk_mask[:, None], other=0)
+    raw = tl.load(src + offs, mask=blk_mask[:, None], other=0)
     raw = raw.to(tl.int32) & 0xFFFF
     if IS_BF16:
         bits = raw << 16
@@ -63,14 +52,8 @@ def _kernel_source(
         normal = ((e5 + 112) << 23) | (m10 << 13)
         bits = tl.where(e5 == 0, sub, tl.where(e5 == 0x1F, 0x7F800000 | (m10 << 13), normal))
         bits = bits | ((raw & 0x8000) << 16)
-    xf = bits.to(tl.float32, bitcast=True)
     mag = bits & 0x7FFFFFFF
     amag = tl.max(mag, axis=1)
-
-    bad_here = tl.where(blk_mask & (amag >= 0x7F800000), blk, 2147483647)
-    first_bad = tl.min(bad_here, axis=0).to(tl.int32)
-    tl.atomic_min(bad_ptr, first_bad, mask=first_bad < 2147483647)
-
     sb = (amag >> 23) - 8 + ((amag & 0x7FFFFF) > 0x600000).to(tl.int32)
     sb = tl.minimum(tl.maximum(sb, MIN_BYTE), 254)
 
@@ -92,18 +75,43 @@ def _kernel_source(
         k1 = k >> 1
         f1 = ((k1 + 127) << 23).to(tl.float32, bitcast=True)
         f2 = ((k - k1 + 127) << 23).to(tl.float32, bitcast=True)
-        y = (xf * f1[:, None]) * f2[:, None]
+        y = (bits.to(tl.float32, bitcast=True) * f1[:, None]) * f2[:, None]
         byte = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
 
-    tl.store(v_ptr + offs, byte, mask=blk_mask[:, None])
-    tl.store(s_ptr + blk, sb.to(tl.uint8), mask=blk_mask)
+    tl.store(dst_values + offs, byte, mask=blk_mask[:, None])
+    tl.store(dst_scales + blk, sb.to(tl.uint8), mask=blk_mask)
+    return blk_mask & (amag >= 0x7F800000)
 
 
-def _kernel():
-    mode = interpreting()
-    if mode not in _KERNELS:
-        _KERNELS[mode] = triton.jit(_kernel_source)
-    return _KERNELS[mode]
+@triton.jit
+def _single_kernel(
+    x_ptr, v_ptr, s_ptr, bad_ptr, n_blocks,
+    MIN_BYTE: tl.constexpr, NB: tl.constexpr, INT_ROUND: tl.constexpr, IS_BF16: tl.constexpr,
+    WIDE_INDEX: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if WIDE_INDEX:
+        pid = pid.to(tl.int64)
+    blk = pid * NB + tl.arange(0, NB)
+    is_bad = _quantize_blocks(x_ptr, v_ptr, s_ptr, blk, blk < n_blocks, MIN_BYTE, INT_ROUND, IS_BF16)
+    first_bad = tl.min(tl.where(is_bad, blk, 2147483647), axis=0).to(tl.int32)
+    tl.atomic_min(bad_ptr, first_bad, mask=first_bad < 2147483647)
+
+
+@triton.jit
+def _group_kernel(
+    prog_tensor, prog_block, n_blocks_of, src_addr, values_addr, scales_addr, bad_ptr,
+    MIN_BYTE: tl.constexpr, NB: tl.constexpr, INT_ROUND: tl.constexpr, IS_BF16: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    t = tl.load(prog_tensor + pid)
+    blk = tl.load(prog_block + pid).to(tl.int64) + tl.arange(0, NB)
+    src = tl.load(src_addr + t).to(tl.pointer_type(tl.int16))
+    dst_values = tl.load(values_addr + t).to(tl.pointer_type(tl.uint8))
+    dst_scales = tl.load(scales_addr + t).to(tl.pointer_type(tl.uint8))
+    is_bad = _quantize_blocks(src, dst_values, dst_scales, blk, blk < tl.load(n_blocks_of + t), MIN_BYTE, INT_ROUND, IS_BF16)
+    any_bad = tl.max(is_bad.to(tl.int32), axis=0)
+    tl.atomic_min(bad_ptr, t, mask=any_bad > 0)
 
 
 def quantize_into(
@@ -135,7 +143,7 @@ def quantize_into(
     if own_bad:
         bad = torch.full((1,), _INT32_MAX, dtype=torch.int32, device=x.device)
     grid = (triton.cdiv(n_blocks, blocks_per_program),)
-    _kernel()[grid](
+    _single_kernel[grid](
         x.view(torch.int16), values.view(torch.uint8), scales, bad, n_blocks,
         MIN_BYTE=min_byte, NB=blocks_per_program, INT_ROUND=int_round, IS_BF16=x.dtype == torch.bfloat16,
         WIDE_INDEX=x.numel() >= 2**31, num_warps=num_warps,
@@ -144,3 +152,56 @@ def quantize_into(
         return None
     first = int(bad.item())
     return None if first == _INT32_MAX else first
+
+
+class QuantizeGroup:
+    """One launch for many tensors: per-program (tensor, first block) tables built once.
+
+    Destinations are fixed (views of a persistent transfer buffer), so their addresses are
+    tabled at construction; source addresses are re-sent only when they change.
+    """
+
+    def __init__(
+        self,
+        sources: list[torch.Tensor],
+        outs: list[tuple[torch.Tensor, torch.Tensor]],
+        *,
+        device: torch.device | None = None,
+        blocks_per_program: int = 128,
+    ):
+        """``sources`` give shapes and dtype only (meta tensors will do); ``outs`` are the destinations."""
+        self.device = device if device is not None else outs[0][0].device
+        self.is_bf16 = sources[0].dtype == torch.bfloat16
+        self.nb = blocks_per_program
+        n_blocks = [s.numel() // 32 for s in sources]
+        prog_tensor, prog_block = [], []
+        for t, n in enumerate(n_blocks):
+            starts = range(0, n, self.nb)
+            prog_tensor.extend([t] * len(starts))
+            prog_block.extend(starts)
+        as_dev = lambda xs, dt: torch.tensor(xs, dtype=dt, device=self.device)  # noqa: E731
+        self.prog_tensor = as_dev(prog_tensor, torch.int32)
+        self.prog_block = as_dev(prog_block, torch.int32)
+        self.n_blocks_of = as_dev(n_blocks, torch.int64)
+        self.values_addr = as_dev([v.data_ptr() for v, _ in outs], torch.int64)
+        self.scales_addr = as_dev([s.data_ptr() for _, s in outs], torch.int64)
+        self.src_addr = torch.zeros(len(sources), dtype=torch.int64, device=self.device)
+        self._last_src: list[int] = []
+        self.programs = len(prog_tensor)
+
+    def __call__(self, sources: list[torch.Tensor], min_byte: int, bad: torch.Tensor, int_round: bool | None = None) -> None:
+        addrs = [s.data_ptr() for s in sources]
+        if addrs != self._last_src:
+            for s in sources:
+                if not s.is_contiguous():
+                    raise ValueError(f"grouped MXFP8 needs contiguous sources, got strides {s.stride()}")
+            self.src_addr.copy_(torch.tensor(addrs, dtype=torch.int64))
+            self._last_src = addrs
+        if self.programs == 0:
+            return
+        _group_kernel[(self.programs,)](
+            self.prog_tensor, self.prog_block, self.n_blocks_of, self.src_addr, self.values_addr, self.scales_addr, bad,
+            MIN_BYTE=min_byte, NB=self.nb, INT_ROUND=interpreting() if int_round is None else int_round,
+            IS_BF16=self.is_bf16, num_warps=4,
+        )
+

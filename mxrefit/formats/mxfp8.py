@@ -112,21 +112,29 @@ def _quantize_torch(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
     scales.copy_(sb.to(SCALE_DTYPE))
 
 
+def _triton_module():
+    """The kernel module, or None where triton is not installed."""
+    try:
+        from mxrefit.formats import _mxfp8_triton
+    except ImportError:
+        return None
+    return _mxfp8_triton
+
+
 def _choose_backend(x: torch.Tensor, backend: Backend) -> str:
     if backend == "torch":
         return "torch"
-    from mxrefit.formats import _mxfp8_triton
-
+    kernels = _triton_module()
     if backend == "triton":
-        if not _mxfp8_triton.supports(x):
+        if kernels is None or not kernels.supports(x):
             raise ValueError(
-                f"backend='triton' needs a bfloat16/float16 input on CUDA (or TRITON_INTERPRET=1 on CPU), "
-                f"got {x.dtype} on {x.device}"
+                f"backend='triton' needs triton and a bfloat16/float16 input on CUDA (or TRITON_INTERPRET=1 "
+                f"on CPU), got {x.dtype} on {x.device}"
             )
         return "triton"
     if backend != "auto":
         raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
-    return "triton" if x.is_cuda and _mxfp8_triton.supports(x) else "torch"
+    return "triton" if x.is_cuda and kernels is not None and kernels.supports(x) else "torch"
 
 
 def quantize(
@@ -159,9 +167,7 @@ def quantize(
         _check_out(scale_out, sshape, SCALE_DTYPE, x.device, "scale_out", what)
     min_byte = 1 if zero_block_scale_one else 0
     if _choose_backend(x, backend) == "triton":
-        from mxrefit.formats import _mxfp8_triton
-
-        bad = _mxfp8_triton.quantize_into(x, out, scale_out, min_byte)
+        bad = _triton_module().quantize_into(x, out, scale_out, min_byte)
         if bad is not None:
             raise NonFiniteError(first_bad_block_message(vshape, bad, what))
     else:

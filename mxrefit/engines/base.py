@@ -1,0 +1,80 @@
+"""What an engine tells mxrefit: its parameter storage and where each trainer tensor lands.
+
+An engine is described by two tables, built once from the live model:
+- ``params``: every destination parameter (engine name -> shape, dtype), whose storage is
+  contiguous and written in place (parameter identity kept, CUDA graphs stay valid);
+- ``destinations``: every trainer (HF) tensor name -> its format and, for each encoded part
+  (values, scales), a ``Target``: a contiguous byte range of one parameter.
+Both are plain data, so they cross the control channel as msgpack.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Target:
+    """One encoded part of a trainer tensor: ``shape``/``dtype`` bytes at ``offset`` in ``param``."""
+
+    param: str
+    offset: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class Destination:
+    """Where the trainer tensor ``name`` goes: its wire format and one Target per part."""
+
+    name: str
+    format: str
+    targets: tuple[Target, ...]
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+class Engine(ABC):
+    """The receiving side's model: tables once, storage views once, a hook after each refit."""
+
+    @abstractmethod
+    def params(self) -> dict[str, ParamSpec]:
+        """Destination parameters by engine name."""
+
+    @abstractmethod
+    def destinations(self) -> dict[str, Destination]:
+        """Trainer tensor name -> Destination."""
+
+    @abstractmethod
+    def storage(self, param: str) -> torch.Tensor:
+        """The parameter's bytes as a flat contiguous uint8 view (written in place)."""
+
+    def after_refit(self, version: int) -> None:
+        """Post-load processing once every byte of a refit has landed (layout shuffles, ...)."""
+
+    @property
+    def device(self) -> torch.device:
+        first = next(iter(self.params()))
+        return self.storage(first).device
