@@ -1,0 +1,197 @@
+"""Engine side of a refit: answers the trainer, applies buckets as batched copies, keeps versions.
+
+The engine holds ``version`` (the last complete refit) and ``state``: ``ready`` when its
+weights are exactly that version, ``partial`` when a later refit wrote some buckets and did
+not finish (a failed or interrupted refit). A partial engine says so on every status call;
+the next complete refit repairs it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from mxrefit.engines.base import Engine
+from mxrefit.plan import PlanMismatch, RefitPlan, build_plan, sources_from_msg, tables_to_msg
+from mxrefit.transport.buffers import OpenedBuffers, open_buffers
+from mxrefit.transport.control import ControlServer, PeerTimeout
+
+log = logging.getLogger("mxrefit.receiver")
+
+
+@dataclass
+class ReceiveStats:
+    """Per-refit engine-side timings, seconds."""
+
+    version: int
+    apply_s: float = 0.0
+    after_refit_s: float = 0.0
+    buckets: int = 0
+    bytes: int = 0
+    wall_s: float = 0.0
+
+
+@dataclass
+class _Applier:
+    """Pre-built source/destination views of one bucket: applying it is one batched copy."""
+
+    srcs: list[torch.Tensor] = field(default_factory=list)
+    dsts: list[torch.Tensor] = field(default_factory=list)
+    nbytes: int = 0
+
+    def __call__(self) -> None:
+        if not self.srcs:
+            return
+        if self.srcs[0].device == self.dsts[0].device:
+            torch._foreach_copy_(self.dsts, self.srcs)
+        else:
+            for d, s in zip(self.dsts, self.srcs):
+                d.copy_(s, non_blocking=True)
+
+
+class Receiver:
+    def __init__(self, engine: Engine, *, address: str | None = None, token: bytes | None = None, tcp: bool = False, timeout_s: float = 60.0):
+        self.engine = engine
+        self.timeout_s = timeout_s
+        self.server = ControlServer(address, token=token, tcp=tcp)
+        self.version = 0
+        self.state = "ready"
+        self.last_error: str | None = None
+        self.history: list[ReceiveStats] = []
+        self._params = engine.params()
+        self._destinations = engine.destinations()
+        self._plan: RefitPlan | None = None
+        self._buffers: OpenedBuffers | None = None
+        self._appliers: list[_Applier] = []
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    @property
+    def token(self) -> bytes:
+        return self.server.token
+
+    def status(self) -> dict:
+        return {"version": self.version, "state": self.state, "error": self.last_error}
+
+    # ---- message handling -------------------------------------------------------------
+    def serve(self, *, refits: int | None = None, idle_timeout_s: float | None = None) -> None:
+        """Answer the trainer until it says shutdown (or ``refits`` refits have ended)."""
+        ended = 0
+        while refits is None or ended < refits:
+            msg = self.server.recv(idle_timeout_s, step="waiting for the next refit")
+            op = msg.get("op")
+            if op == "shutdown":
+                self.server.send({"op": "bye", **self.status()})
+                return
+            if op == "begin":
+                self._refit(msg)
+                ended += 1
+            else:
+                self._answer_setup(msg)
+
+    def _answer_setup(self, msg: dict) -> None:
+        op = msg.get("op")
+        if op == "hello":
+            self.server.send({"op": "tables", **tables_to_msg(self._params, self._destinations), **self.status()})
+        elif op == "plan":
+            try:
+                self._adopt_plan(msg)
+            except (PlanMismatch, ValueError) as err:
+                problems = err.problems if isinstance(err, PlanMismatch) else [str(err)]
+                self.server.send({"op": "error", "kind": "plan_mismatch", "problems": problems})
+            else:
+                self.server.send({"op": "planned", "digest": self._plan.digest})
+        elif op == "status":
+            self.server.send({"op": "status", **self.status()})
+        else:
+            self.server.send({"op": "error", "kind": "protocol", "problems": [f"unexpected op {op!r} between refits"]})
+
+    def _adopt_plan(self, msg: dict) -> None:
+        sources = sources_from_msg(msg["sources"])
+        plan = build_plan(sources, self._params, self._destinations, bucket_bytes=int(msg["bucket_bytes"]), slots=int(msg["slots"]))
+        if plan.digest != msg["digest"]:
+            raise ValueError(f"plan digest {msg['digest'][:12]} from the trainer differs from the engine's {plan.digest[:12]}")
+        if self._buffers is not None:
+            self._buffers.close()
+        self._buffers = open_buffers(msg["buffers"], self.engine.device)
+        bufs = self._buffers.buffers
+        if len(bufs) != plan.slots or any(b.numel() < plan.bucket_bytes for b in bufs):
+            raise ValueError(f"trainer offered {len(bufs)} buffers, the plan needs {plan.slots} of {plan.bucket_bytes} bytes")
+        storage = {name: self.engine.storage(name) for name in self._params}
+        self._appliers = []
+        for bucket in plan.buckets:
+            app = _Applier()
+            for r in bucket.runs:
+                app.srcs.append(bufs[bucket.slot][r.offset : r.offset + r.nbytes])
+                app.dsts.append(storage[r.param][r.param_offset : r.param_offset + r.nbytes])
+                app.nbytes += r.nbytes
+            self._appliers.append(app)
+        self._plan = plan
+
+    def _refit(self, begin: dict) -> None:
+        version = int(begin.get("version", -1))
+        problem = None
+        if self._plan is None:
+            problem = "no plan: the trainer must send a plan before the first refit"
+        elif begin.get("digest") != self._plan.digest:
+            problem = "the refit names a different plan than the engine holds"
+        elif version <= self.version:
+            problem = f"stale or duplicate version {version}: the engine already holds version {self.version}"
+        if problem:
+            self.server.send({"op": "error", "kind": "refused", "problems": [problem], **self.status()})
+            return
+        self.server.send({"op": "begun", "version": version})
+        stats = ReceiveStats(version)
+        start = time.perf_counter()
+        expected = 0
+        try:
+            while True:
+                msg = self.server.recv(self.timeout_s, step=f"refit to version {version}, waiting for bucket {expected}")
+                op = msg.get("op")
+                if op == "ready" and int(msg.get("bucket", -1)) == expected and int(msg.get("version", -1)) == version:
+                    t = time.perf_counter()
+                    self.state = "partial"
+                    self._appliers[expected]()
+                    if self.engine.device.type == "cuda":
+                        torch.cuda.current_stream(self.engine.device).synchronize()
+                    stats.apply_s += time.perf_counter() - t
+                    stats.bytes += self._appliers[expected].nbytes
+                    stats.buckets += 1
+                    expected += 1
+                    self.server.send({"op": "applied", "bucket": expected - 1})
+                elif op == "commit" and int(msg.get("version", -1)) == version and expected == len(self._appliers):
+                    t = time.perf_counter()
+                    self.engine.after_refit(version)
+                    stats.after_refit_s = time.perf_counter() - t
+                    self.version, self.state, self.last_error = version, "ready", None
+                    stats.wall_s = time.perf_counter() - start
+                    self.history.append(stats)
+                    self.server.send({"op": "committed", **self.status(), "apply_s": stats.apply_s, "after_refit_s": stats.after_refit_s})
+                    return
+                elif op == "abort":
+                    self._fail(f"trainer aborted the refit to version {version}: {msg.get('why', '')}")
+                    self.server.send({"op": "aborted", **self.status()})
+                    return
+                else:
+                    got = {k: msg.get(k) for k in ("op", "version", "bucket")}
+                    self._fail(f"refit to version {version}: expected bucket {expected} or commit, got {got}")
+                    self.server.send({"op": "error", "kind": "protocol", "problems": [self.last_error], **self.status()})
+                    return
+        except PeerTimeout as err:
+            self._fail(str(err))
+
+    def _fail(self, why: str) -> None:
+        self.last_error = why
+        log.error("%s; engine holds version %d, state %s", why, self.version, self.state)
+
+    def close(self) -> None:
+        self._appliers = []
+        if self._buffers is not None:
+            self._buffers.close()
+            self._buffers = None
+        self.server.close()
