@@ -8,6 +8,7 @@ the next complete refit repairs it.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -108,6 +109,8 @@ class Receiver:
                 self.server.send({"op": "planned", "digest": self._plan.digest})
         elif op == "status":
             self.server.send({"op": "status", **self.status()})
+        elif op == "checksum":
+            self.server.send({"op": "checksum", "sha256": self._checksums(msg.get("ranges", []))})
         else:
             self.server.send({"op": "error", "kind": "protocol", "problems": [f"unexpected op {op!r} between refits"]})
 
@@ -149,10 +152,16 @@ class Receiver:
         stats = ReceiveStats(version)
         start = time.perf_counter()
         expected = 0
+        deadline = time.monotonic() + self.timeout_s
         try:
             while True:
-                msg = self.server.recv(self.timeout_s, step=f"refit to version {version}, waiting for bucket {expected}")
+                left = max(0.0, deadline - time.monotonic())
+                msg = self.server.recv(left, step=f"refit to version {version}, waiting for bucket {expected}")
                 op = msg.get("op")
+                if op == "status":  # any token holder may ask; it does not extend the trainer's deadline
+                    self.server.send({"op": "status", **self.status()})
+                    continue
+                deadline = time.monotonic() + self.timeout_s
                 if op == "ready" and int(msg.get("bucket", -1)) == expected and int(msg.get("version", -1)) == version:
                     t = time.perf_counter()
                     self.state = "partial"
@@ -182,8 +191,22 @@ class Receiver:
                     self._fail(f"refit to version {version}: expected bucket {expected} or commit, got {got}")
                     self.server.send({"op": "error", "kind": "protocol", "problems": [self.last_error], **self.status()})
                     return
-        except PeerTimeout as err:
-            self._fail(str(err))
+        except PeerTimeout:
+            self._fail(
+                f"refit to version {version} interrupted: no bucket {expected} of {len(self._appliers)} from the "
+                f"trainer at {self.address} within the {self.timeout_s:g} s timeout"
+            )
+
+    def _checksums(self, ranges: list) -> list[str | None]:
+        """sha256 of engine bytes [offset, offset+n) of each named parameter (None if out of range)."""
+        out: list[str | None] = []
+        for param, offset, n in ranges:
+            if param not in self._params or offset < 0 or offset + n > self._params[param].nbytes:
+                out.append(None)
+                continue
+            data = self.engine.storage(param)[offset : offset + n].cpu().numpy().tobytes()
+            out.append(hashlib.sha256(data).hexdigest())
+        return out
 
     def _fail(self, why: str) -> None:
         self.last_error = why

@@ -172,6 +172,7 @@ class Sender:
                 return self.plan_.sources[i].name
         return None
 
+    @torch.no_grad()
     def refit(self, tensors: Mapping[str, torch.Tensor], *, version: int | None = None) -> RefitReport:
         """Send every tensor to the engine; returns timings. Raises before any engine write on bad input."""
         t0 = time.perf_counter()

@@ -1,0 +1,124 @@
+"""Persistent transfer buffers: the trainer allocates them once, the engine opens them once.
+
+Why: re-allocating buffers and re-opening IPC handles every refit step is pure overhead and a
+known source of leaked memory. The owner (trainer) creates ``count`` flat uint8 buffers of
+``nbytes`` each and sends ``describe()`` (plain msgpack-able data) over the control channel; the
+peer (engine) calls ``open_buffers`` on it and keeps the result for the whole session.
+
+Two kinds: ``"shm"`` (POSIX shared memory, CPU) and ``"cuda_ipc"`` (CUDA IPC of device memory).
+The buffers give shared memory, not ordering: who writes when is the control protocol's job.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+KINDS = ("shm", "cuda_ipc")
+MAX_BUFFERS = 1024
+MAX_BUFFER_BYTES = 1 << 44
+
+
+class TransferBuffers(ABC):
+    """Owner side. ``buffers`` are flat contiguous uint8 tensors of ``nbytes`` each."""
+
+    buffers: list[torch.Tensor]
+    nbytes: int
+    kind: str
+
+    @abstractmethod
+    def describe(self) -> dict[str, Any]:
+        """Plain data (msgpack-able) that lets one peer process open these buffers."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the buffers; tensors still referenced elsewhere stay valid until dropped."""
+
+    def __enter__(self) -> TransferBuffers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class OpenedBuffers(ABC):
+    """Peer side: the owner's buffers mapped into this process."""
+
+    buffers: list[torch.Tensor]
+    nbytes: int
+    kind: str
+
+    @abstractmethod
+    def close(self) -> None:
+        """Drop this process's mapping; never destroys the owner's buffers."""
+
+    def __enter__(self) -> OpenedBuffers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def check_int(value: Any, name: str, low: int, high: int) -> int:
+    """``value`` as an int in [low, high], else ValueError (bools are not counts)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name} must be an int in [{low}, {high}], got {value!r}")
+    return value
+
+
+def check_keys(desc: dict[str, Any], expected: set[str]) -> None:
+    """Exact key set, so a truncated or foreign description fails loudly instead of half-working."""
+    missing = expected - desc.keys()
+    extra = desc.keys() - expected
+    if missing or extra:
+        raise ValueError(
+            f"bad {desc.get('kind')!r} buffer description: missing keys {sorted(missing)}, "
+            f"unexpected keys {sorted(map(str, extra))}"
+        )
+
+
+def check_list(value: Any, name: str) -> list[Any]:
+    """A non-empty list of at most MAX_BUFFERS entries."""
+    if not isinstance(value, list) or not 1 <= len(value) <= MAX_BUFFERS:
+        raise ValueError(f"{name} must be a list of 1..{MAX_BUFFERS} entries, got {value!r:.200}")
+    return value
+
+
+def default_kind(device: torch.device | str) -> str:
+    """``"cuda_ipc"`` for a CUDA device, else ``"shm"``."""
+    return "cuda_ipc" if torch.device(device).type == "cuda" else "shm"
+
+
+def create_buffers(kind: str, count: int, nbytes: int, device: torch.device | str = "cpu") -> TransferBuffers:
+    """Allocate ``count`` buffers of ``nbytes`` once, for the whole session."""
+    check_int(count, "count", 1, MAX_BUFFERS)
+    check_int(nbytes, "nbytes", 1, MAX_BUFFER_BYTES)
+    if kind == "shm":
+        from mxrefit.transport.shm import ShmBuffers
+
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"shm buffers live in host memory; got device {device!r} (use kind 'cuda_ipc')")
+        return ShmBuffers(count, nbytes)
+    if kind == "cuda_ipc":
+        from mxrefit.transport.cuda_ipc import CudaIpcBuffers
+
+        return CudaIpcBuffers(count, nbytes, device)
+    raise ValueError(f"unknown transfer buffer kind {kind!r}; expected one of {KINDS}")
+
+
+def open_buffers(desc: dict[str, Any], device: torch.device | str | None = None) -> OpenedBuffers:
+    """Open buffers from an owner's ``describe()``; ValueError if the description is malformed."""
+    if not isinstance(desc, dict):
+        raise ValueError(f"a buffer description must be a dict, got {type(desc).__name__}")
+    kind = desc.get("kind")
+    if kind == "shm":
+        from mxrefit.transport.shm import open_shm
+
+        return open_shm(desc, device)
+    if kind == "cuda_ipc":
+        from mxrefit.transport.cuda_ipc import open_cuda_ipc
+
+        return open_cuda_ipc(desc, device)
+    raise ValueError(f"unknown transfer buffer kind {kind!r:.100}; expected one of {KINDS}")

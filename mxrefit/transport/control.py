@@ -1,0 +1,399 @@
+"""Control channel between trainer and engine: ZeroMQ carrying msgpack maps, each checked against a token.
+
+Why this shape: the refit control traffic is a handful of small messages per step, so it must be
+boring and safe rather than fast. msgpack carries only plain data (never code, unlike pickle), the
+default endpoint is a Unix socket in a private 0700 directory, and every frame carries a 32-byte
+session token, so a stranger that reaches the socket can neither run anything nor be mistaken for
+the peer. Malformed or foreign frames are dropped and answered with ``{"op": "rejected"}``; they
+never raise out of the server.
+
+Wire format: one zmq message = one msgpack frame, a map with ``"tok"`` (bytes) and ``"op"`` (str).
+Only dict/list/str/bytes/int/float/bool/None cross; tuples arrive as lists.
+
+Threading: zmq sockets are not thread-safe. Use each ControlServer / ControlClient from one thread.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import logging
+import math
+import os
+import secrets
+import tempfile
+import time
+from typing import Any
+
+import msgpack
+import zmq
+
+log = logging.getLogger("mxrefit.control")
+
+DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
+TOKEN_BYTES = 32
+_TOKEN_KEY = "tok"
+_SOCKET_NAME = "control.sock"
+_MAX_UNIX_PATH = 107
+_MAX_WHY_CHARS = 200
+
+
+class ControlError(RuntimeError):
+    """Base class for control channel failures."""
+
+
+class PeerTimeout(ControlError):
+    """The peer sent nothing usable in time; the message names the peer's address and the step."""
+
+
+class ProtocolError(ControlError):
+    """Our own peer sent something malformed (bad frame, wrong token)."""
+
+
+class _Invalid(Exception):
+    """Internal: a frame that must be dropped, with the reason."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why[:_MAX_WHY_CHARS]
+
+
+def new_token() -> bytes:
+    """A fresh random session token; share it with the peer out of band (e.g. via the launcher)."""
+    return secrets.token_bytes(TOKEN_BYTES)
+
+
+def private_ipc_address() -> str:
+    """An ``ipc://`` address inside a new directory only this user can enter (mode 0700)."""
+    directory = tempfile.mkdtemp(prefix="mxrefit-")
+    os.chmod(directory, 0o700)
+    path = os.path.join(directory, _SOCKET_NAME)
+    if len(path.encode()) > _MAX_UNIX_PATH:
+        os.rmdir(directory)
+        raise ValueError(
+            f"Unix socket path {path!r} is longer than {_MAX_UNIX_PATH} bytes; set TMPDIR to a shorter directory"
+        )
+    return f"ipc://{path}"
+
+
+class _Deadline:
+    """Turns an optional timeout in seconds into poll() budgets; None means wait forever."""
+
+    def __init__(self, timeout_s: float | None) -> None:
+        self.timeout_s = timeout_s
+        self._end = None if timeout_s is None else time.monotonic() + max(0.0, timeout_s)
+
+    def remaining_ms(self) -> int | None:
+        if self._end is None:
+            return None
+        return max(0, math.ceil((self._end - time.monotonic()) * 1000))
+
+    def expired(self) -> bool:
+        return self._end is not None and time.monotonic() >= self._end
+
+
+def _pack(obj: dict[str, Any]) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def _unpack(raw: bytes) -> Any:
+    """Decode untrusted bytes; any failure becomes _Invalid, since a stranger's bytes must never raise out."""
+    try:
+        return msgpack.unpackb(raw, raw=False, strict_map_key=True, max_ext_len=0)
+    except Exception as err:
+        raise _Invalid(f"undecodable frame: {type(err).__name__}: {err}") from None
+
+
+def _encode(msg: dict[str, Any], token: bytes, limit: int) -> bytes:
+    """Add the token and pack; refuse messages the peer would drop, naming the op and size."""
+    if not isinstance(msg, dict):
+        raise TypeError(f"a control message must be a dict, not {type(msg).__name__}")
+    op = msg.get("op")
+    if not isinstance(op, str):
+        raise ValueError(f"a control message needs a str 'op', got {op!r}")
+    if _TOKEN_KEY in msg:
+        raise ValueError(f"'{_TOKEN_KEY}' is reserved for the session token (op {op!r})")
+    try:
+        frame = _pack({**msg, _TOKEN_KEY: token})
+    except (TypeError, ValueError, OverflowError) as err:
+        raise TypeError(f"op {op!r} carries a value msgpack cannot encode as plain data: {err}") from err
+    if len(frame) > limit:
+        raise ValueError(f"op {op!r} is {len(frame)} bytes encoded, over the {limit}-byte message limit")
+    return frame
+
+
+def _check_map(obj: Any, token: bytes) -> dict[str, Any]:
+    """Return the message without its token, or raise _Invalid."""
+    if not isinstance(obj, dict):
+        raise _Invalid(f"frame is a msgpack {type(obj).__name__}, not a map")
+    tok = obj.pop(_TOKEN_KEY, None)
+    if not isinstance(tok, bytes) or not hmac.compare_digest(tok, token):
+        raise _Invalid("missing or wrong session token")
+    if not isinstance(obj.get("op"), str):
+        raise _Invalid("missing or non-string 'op'")
+    return obj
+
+
+def _poll_frames(sock: zmq.Socket, poller: zmq.Poller, deadline: _Deadline, peer: str, step: str) -> list[bytes]:
+    """Wait for one multipart message, or raise PeerTimeout naming the peer and the step."""
+    while True:
+        if poller.poll(deadline.remaining_ms()):
+            try:
+                return sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+        if deadline.expired():
+            raise PeerTimeout(f"no message from {peer} within {deadline.timeout_s:g} s while {step}")
+
+
+def _tcp_host(address: str) -> str:
+    """The host part of ``tcp://host:port`` (brackets stripped from IPv6)."""
+    rest = address[len("tcp://"):]
+    host, sep, _port = rest.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"tcp address {address!r} must look like tcp://host:port")
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _check_bind_address(address: str, allow_remote: bool) -> None:
+    """Only ipc and loopback tcp unless the caller opts in: the token travels in clear over tcp."""
+    if address.startswith("ipc://"):
+        if address.startswith("ipc://@"):
+            raise ValueError(f"{address!r}: abstract Unix sockets have no file permissions; use a path")
+        return
+    if not address.startswith("tcp://"):
+        raise ValueError(f"control address {address!r} must start with ipc:// or tcp://")
+    host = _tcp_host(address)
+    if not _is_loopback(host) and not allow_remote:
+        raise ValueError(
+            f"{address!r} is not a loopback address (127.x, ::1, localhost); pass allow_remote=True to bind "
+            "it, knowing the token and all control traffic then cross the network unencrypted"
+        )
+
+
+def _checked_limit(max_message_bytes: int) -> int:
+    if not isinstance(max_message_bytes, int) or max_message_bytes <= 0:
+        raise ValueError(f"max_message_bytes must be a positive int, got {max_message_bytes!r}")
+    return max_message_bytes
+
+
+def _new_socket(kind: int, address: str, max_message_bytes: int) -> tuple[zmq.Context, zmq.Socket]:
+    ctx = zmq.Context()
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+    sock.setsockopt(zmq.LINGER, 0)
+    if address.startswith("tcp://["):
+        sock.setsockopt(zmq.IPV6, 1)
+    return ctx, sock
+
+
+def _ipc_path(address: str) -> str | None:
+    return address[len("ipc://"):] if address.startswith("ipc://") else None
+
+
+class ControlServer:
+    """Engine side: a ROUTER socket that answers the one trainer holding the token.
+
+    Use from a single thread. ``rejected`` counts dropped frames (strangers, garbage).
+    """
+
+    def __init__(self, address: str | None = None, *, token: bytes | None = None, tcp: bool = False,
+                 allow_remote: bool = False, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+        self.token: bytes = new_token() if token is None else _checked_token(token)
+        self.max_message_bytes = _checked_limit(max_message_bytes)
+        self.rejected: int = 0
+        self._peer_identity: bytes | None = None
+        self._private_dir: str | None = None
+        bind_to = self._choose_address(address, tcp, allow_remote)
+        self._ctx, self._sock = _new_socket(zmq.ROUTER, bind_to, max_message_bytes)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        try:
+            self._sock.bind(bind_to)
+            self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._restrict_socket_file()
+        except BaseException:
+            self.close()
+            raise
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+
+    def _choose_address(self, address: str | None, tcp: bool, allow_remote: bool) -> str:
+        if address is None:
+            if tcp:
+                return "tcp://127.0.0.1:*"
+            chosen = private_ipc_address()
+            self._private_dir = os.path.dirname(chosen[len("ipc://"):])
+            return chosen
+        if tcp and not address.startswith("tcp://"):
+            raise ValueError(f"tcp=True conflicts with the non-tcp address {address!r}")
+        _check_bind_address(address, allow_remote)
+        return address
+
+    def _restrict_socket_file(self) -> None:
+        path = _ipc_path(self.address)
+        if path is not None:
+            os.chmod(path, 0o600)
+
+    @property
+    def _peer(self) -> str:
+        return f"the trainer at {self.address}"
+
+    def recv(self, timeout_s: float | None, *, step: str) -> dict[str, Any]:
+        """Next valid message (token removed); invalid frames are rejected while the same deadline runs."""
+        self._require_open()
+        deadline = _Deadline(timeout_s)
+        while True:
+            frames = _poll_frames(self._sock, self._poller, deadline, self._peer, step)
+            try:
+                msg = self._validate(frames)
+            except _Invalid as bad:
+                self._reject(frames[0], bad.why)
+                continue
+            self._peer_identity = frames[0]
+            return msg
+
+    def _validate(self, frames: list[bytes]) -> dict[str, Any]:
+        if len(frames) != 2:
+            raise _Invalid(f"expected one frame per message, got {len(frames) - 1}")
+        return _check_map(_unpack(frames[1]), self.token)
+
+    def _reject(self, identity: bytes, why: str) -> None:
+        """Count, log and answer a dropped frame; the answer carries no token and may be lost."""
+        self.rejected += 1
+        log.warning("rejected a control frame from connection %s on %s: %s", identity.hex()[:16],
+                    self.address, why)
+        try:
+            self._sock.send_multipart([identity, _pack({"op": "rejected", "why": why})], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    def send(self, msg: dict[str, Any]) -> None:
+        """Send to the connection of the last valid message (the authenticated trainer)."""
+        self._require_open()
+        if self._peer_identity is None:
+            raise ControlError(f"nothing to reply to on {self.address}: no valid message received yet")
+        frame = _encode(msg, self.token, self.max_message_bytes)
+        try:
+            self._sock.send_multipart([self._peer_identity, frame])
+        except zmq.ZMQError as err:
+            raise ControlError(f"{self._peer} is no longer connected ({err}); op {msg['op']!r} not sent") from err
+
+    def _require_open(self) -> None:
+        if self._sock.closed:
+            raise ControlError(f"control server on {self.address} is closed")
+
+    def close(self) -> None:
+        """Close the socket and remove the socket file and private directory this server created."""
+        _close_socket(self._ctx, self._sock)
+        if self._private_dir is not None:
+            _remove_private_dir(self._private_dir)
+            self._private_dir = None
+
+    def __enter__(self) -> ControlServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _close_socket(ctx: zmq.Context, sock: zmq.Socket) -> None:
+    if not sock.closed:
+        sock.close(linger=0)
+    if not ctx.closed:
+        ctx.term()
+
+
+def _remove_private_dir(directory: str) -> None:
+    """Remove our socket file (libzmq may already have) and the then-empty private directory."""
+    try:
+        os.remove(os.path.join(directory, _SOCKET_NAME))
+    except FileNotFoundError:
+        pass
+    try:
+        os.rmdir(directory)
+    except OSError as err:
+        log.warning("could not remove the control socket directory %s: %s", directory, err)
+
+
+def _checked_token(token: bytes) -> bytes:
+    if not isinstance(token, bytes) or len(token) < 16:
+        raise ValueError("the session token must be bytes of at least 16 bytes (use new_token())")
+    return token
+
+
+class ControlClient:
+    """Trainer side: a DEALER socket connected to the engine's ControlServer. Use from a single thread."""
+
+    def __init__(self, address: str, token: bytes, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+        if not (address.startswith("ipc://") or address.startswith("tcp://")):
+            raise ValueError(f"control address {address!r} must start with ipc:// or tcp://")
+        self.address = address
+        self.token = _checked_token(token)
+        self.max_message_bytes = _checked_limit(max_message_bytes)
+        self._ctx, self._sock = _new_socket(zmq.DEALER, address, max_message_bytes)
+        try:
+            self._sock.connect(address)
+        except BaseException:
+            self.close()
+            raise
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+
+    @property
+    def _peer(self) -> str:
+        return f"the engine at {self.address}"
+
+    def send(self, msg: dict[str, Any]) -> None:
+        """Send one message; ValueError if it is over the size limit (named by op and size)."""
+        self._require_open()
+        self._sock.send(_encode(msg, self.token, self.max_message_bytes))
+
+    def recv(self, timeout_s: float | None, *, step: str) -> dict[str, Any]:
+        """Next reply. ``rejected``/``error`` ops are returned, not raised; a bad reply raises ProtocolError."""
+        self._require_open()
+        frames = _poll_frames(self._sock, self._poller, _Deadline(timeout_s), self._peer, step)
+        if len(frames) != 1:
+            raise ProtocolError(f"{self._peer} sent {len(frames)} frames while {step}; expected 1")
+        try:
+            obj = _unpack(frames[0])
+        except _Invalid as bad:
+            raise ProtocolError(f"{self._peer} sent a bad reply while {step}: {bad.why}") from None
+        if _is_rejection(obj):
+            return obj
+        try:
+            return _check_map(obj, self.token)
+        except _Invalid as bad:
+            raise ProtocolError(f"{self._peer} sent a bad reply while {step}: {bad.why}") from None
+
+    def request(self, msg: dict[str, Any], timeout_s: float | None, *, step: str) -> dict[str, Any]:
+        """Send ``msg`` and wait for the reply."""
+        self.send(msg)
+        return self.recv(timeout_s, step=step)
+
+    def _require_open(self) -> None:
+        if self._sock.closed:
+            raise ControlError(f"control client for {self.address} is closed")
+
+    def close(self) -> None:
+        """Close the socket without lingering on unsent messages."""
+        _close_socket(self._ctx, self._sock)
+
+    def __enter__(self) -> ControlClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _is_rejection(obj: Any) -> bool:
+    """The server answers foreign frames without a token, so a rejection is the one tokenless reply."""
+    return isinstance(obj, dict) and _TOKEN_KEY not in obj and obj.get("op") == "rejected"

@@ -1,0 +1,39 @@
+"""An engine process for the tests: a tiny transformers model behind a real Receiver."""
+
+from __future__ import annotations
+
+import logging
+
+
+def serve_tiny(conn, model: str, mxfp8: bool, timeout_s: float, tcp: bool = False) -> None:
+    import models
+    from mxrefit.engines.torch import TorchEngine
+    from mxrefit.receiver import Receiver
+
+    logging.basicConfig(level=logging.INFO)
+    module = models.tiny_llama(seed=1) if model == "llama" else models.tiny_qwen3_moe(seed=1)
+    receiver = Receiver(TorchEngine(module, mxfp8=mxfp8), timeout_s=timeout_s, tcp=tcp)
+    conn.send({"address": receiver.address, "token": receiver.token})
+    try:
+        receiver.serve()
+    finally:
+        receiver.close()
+        conn.send(receiver.status())
+
+
+def dying_trainer(address: str, token: bytes, model: str, die_after_acks: int) -> None:
+    """Plans, starts a refit, and exits abruptly once ``die_after_acks`` buckets were applied."""
+    import os
+
+    import models
+    from mxrefit.sender import Sender
+
+    class DyingSender(Sender):
+        def _await_applied(self, acked, version, report):
+            if acked >= die_after_acks:
+                os._exit(17)
+            return super()._await_applied(acked, version, report)
+
+    module = models.tiny_llama(seed=5) if model == "llama" else models.tiny_qwen3_moe(seed=5)
+    sender = DyingSender(address, token, bucket_bytes=16 << 10)
+    sender.refit(dict(module.named_parameters()))

@@ -1,0 +1,167 @@
+"""Two real processes, shared memory, real control channel: refits land bit-exact, failures are reported."""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import time
+
+import pytest
+import torch
+
+import models
+from engine_proc import dying_trainer, serve_tiny
+from mxrefit.formats import mxfp8
+from mxrefit.plan import PlanMismatch, SourceSpec
+from mxrefit.sender import RefitError, Sender
+
+CTX = mp.get_context("spawn")
+
+
+class Engine:
+    def __init__(self, model="moe", mxfp8=False, timeout_s=30.0):
+        self.conn, child = CTX.Pipe()
+        self.proc = CTX.Process(target=serve_tiny, args=(child, model, mxfp8, timeout_s), daemon=True)
+        self.proc.start()
+        assert self.conn.poll(120), "engine did not start"
+        hello = self.conn.recv()
+        self.address, self.token = hello["address"], hello["token"]
+
+    def stop(self, sender=None):
+        if sender is not None:
+            sender.close(shutdown_engine=True)
+        self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+def _sha(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def engine_matches(sender: Sender, weights: dict[str, torch.Tensor]) -> list[str]:
+    """Names whose engine bytes differ from the trainer's tensor (quantized where the engine is MXFP8)."""
+    _, dests = sender._tables
+    ranges, want, names = [], [], []
+    for name, dest in dests.items():
+        src = weights[name].detach()
+        parts = mxfp8.quantize(src, backend="torch") if dest.format == "mxfp8" else (src.to(dest.targets[0].dtype),)
+        for tgt, part in zip(dest.targets, parts):
+            ranges.append([tgt.param, tgt.offset, tgt.nbytes])
+            want.append(_sha(part))
+            names.append(name)
+    got = sender.client.request({"op": "checksum", "ranges": ranges}, 30, step="checksums")["sha256"]
+    return sorted({n for n, g, w in zip(names, got, want) if g != w})
+
+
+def _weights(seed: int, model="moe") -> dict[str, torch.Tensor]:
+    m = models.tiny_llama(seed) if model == "llama" else models.tiny_qwen3_moe(seed)
+    return {n: p.detach() for n, p in m.named_parameters()}
+
+
+@pytest.mark.parametrize("mx", [False, True], ids=["bf16", "mxfp8"])
+def test_repeated_refits_land_exactly(mx):
+    engine = Engine(mxfp8=mx)
+    sender = Sender(engine.address, engine.token, bucket_bytes=32 << 10)
+    try:
+        for step, seed in enumerate((11, 12, 13)):
+            weights = _weights(seed)
+            report = sender.refit(weights)
+            assert report.version == step + 1 and report.buckets > 3
+            assert sender.status() == {"version": step + 1, "state": "ready", "error": None}
+            assert engine_matches(sender, weights) == []
+    finally:
+        engine.stop(sender)
+
+
+def test_a_tensor_larger_than_the_bucket_is_sent():
+    engine = Engine(model="llama")
+    sender = Sender(engine.address, engine.token, bucket_bytes=4096)
+    try:
+        weights = _weights(3, "llama")
+        report = sender.refit(weights)
+        assert sender.plan_.bucket_bytes >= max(t.numel() * t.element_size() for t in weights.values())
+        assert report.buckets > 1 and engine_matches(sender, weights) == []
+    finally:
+        engine.stop(sender)
+
+
+def test_mismatched_input_is_refused_before_anything_is_written():
+    engine = Engine(mxfp8=True)
+    sender = Sender(engine.address, engine.token)
+    try:
+        good = _weights(21)
+        sender.refit(good)
+        bad = dict(_weights(22))
+        name = "model.layers.0.self_attn.o_proj.weight"
+        bad[name] = bad[name][:, :96].contiguous()
+        with pytest.raises(PlanMismatch, match="o_proj"):
+            sender.refit(bad)
+        nan = dict(_weights(23))
+        nan[name][0, 0] = float("nan")
+        with pytest.raises(mxfp8.NonFiniteError, match="nothing was sent"):
+            sender.refit(nan)
+        missing = dict(_weights(24))
+        missing.pop("model.norm.weight")
+        with pytest.raises(PlanMismatch, match="model.norm.weight"):
+            sender.refit(missing)
+        assert sender.status()["version"] == 1 and sender.status()["state"] == "ready"
+        assert engine_matches(sender, good) == []
+    finally:
+        engine.stop(sender)
+
+
+def test_engine_refuses_a_plan_that_is_not_its_own():
+    engine = Engine()
+    sender = Sender(engine.address, engine.token)
+    try:
+        sender.connect()
+        specs = [SourceSpec(n, tuple(t.shape), t.dtype) for n, t in _weights(1).items()]
+        specs[0] = SourceSpec(specs[0].name, (specs[0].shape[0] + 1, specs[0].shape[1]), specs[0].dtype)
+        reply = sender.client.request({"op": "plan", "sources": [[s.name, list(s.shape), "bfloat16"] for s in specs],
+                                       "bucket_bytes": 1 << 20, "slots": 2, "digest": "0" * 64, "buffers": {}}, 30, step="bad plan")
+        assert reply["op"] == "error" and reply["kind"] == "plan_mismatch"
+        assert specs[0].name in " ".join(reply["problems"])
+        assert sender.status() == {"version": 0, "state": "ready", "error": None}
+    finally:
+        engine.stop(sender)
+
+
+def test_wrong_token_cannot_refit():
+    engine = Engine()
+    intruder = Sender(engine.address, b"x" * 32, timeout_s=5)
+    sender = Sender(engine.address, engine.token)
+    try:
+        with pytest.raises(RefitError, match="refused"):
+            intruder.refit(_weights(31))
+        weights = _weights(32)
+        sender.refit(weights)
+        assert engine_matches(sender, weights) == []
+    finally:
+        intruder.close()
+        engine.stop(sender)
+
+
+def test_trainer_killed_mid_refit_leaves_engine_partial_then_repaired():
+    engine = Engine(mxfp8=True, timeout_s=3.0)
+    sender = Sender(engine.address, engine.token, bucket_bytes=16 << 10)
+    try:
+        first = _weights(41)
+        sender.refit(first)
+        dying = CTX.Process(target=dying_trainer, args=(engine.address, engine.token, "moe", 2))
+        dying.start()
+        dying.join(120)
+        assert dying.exitcode == 17
+        t = time.monotonic()
+        while sender.status()["error"] is None and time.monotonic() - t < 20:
+            time.sleep(0.2)
+        status = sender.status()
+        assert status["state"] == "partial" and status["version"] == 1, status
+        assert "3 s timeout" in status["error"] and "no bucket 4 of" in status["error"], status  # buckets 0-3 were in flight
+        sender.plan([SourceSpec(n, tuple(w.shape), w.dtype) for n, w in first.items()])  # buffers again ours
+        repaired = _weights(42)
+        report = sender.refit(repaired)
+        assert report.version == 2 and sender.status()["state"] == "ready"
+        assert engine_matches(sender, repaired) == []
+    finally:
+        engine.stop(sender)
