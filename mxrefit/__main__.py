@@ -1,0 +1,5 @@
+import sys
+
+from mxrefit.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""The refit benchmark: ``mxrefit bench`` (see ``mxrefit.bench.run``)."""

@@ -1,0 +1,146 @@
+"""The baseline: a refit as RL stacks do it today, for an A/B in the same run.
+
+BF16 goes over the wire; per step two ping-pong buffers are allocated anew and their handles
+exported and opened per bucket; the trainer packs tensor by tensor, and the engine, tensor by
+tensor, quantizes to MXFP8 (vLLM's torch path) and copies into its parameters.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from mxrefit.engines.base import Destination, Engine
+from mxrefit.formats import mxfp8
+from mxrefit.plan import ALIGN
+from mxrefit.sender import RefitReport
+from mxrefit.transport.buffers import create_buffers, default_kind, open_buffers
+from mxrefit.transport.control import ControlClient, ControlServer
+
+_OP_BUCKET = "baseline_bucket"
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+class BaselineSender:
+    def __init__(self, address: str, token: bytes, *, device: torch.device | str, bucket_bytes: int, timeout_s: float = 120.0):
+        self.device = torch.device(device)
+        self.bucket_bytes = bucket_bytes
+        self.timeout_s = timeout_s
+        self.client = ControlClient(address, token)
+        self.version = 0
+
+    def _buckets(self, tensors: dict[str, torch.Tensor]) -> list[list[tuple[str, torch.Tensor, int]]]:
+        biggest = max(_align(t.numel() * t.element_size()) for t in tensors.values())
+        size = max(self.bucket_bytes, biggest)
+        buckets, used = [[]], 0
+        for name, t in tensors.items():
+            n = _align(t.numel() * t.element_size())
+            if used + n > size:
+                buckets.append([])
+                used = 0
+            buckets[-1].append((name, t, used))
+            used += n
+        self.size = size
+        return buckets
+
+    def refit(self, tensors: dict[str, torch.Tensor]) -> RefitReport:
+        t0 = time.perf_counter()
+        self.version += 1
+        report = RefitReport(self.version)
+        buckets = self._buckets(tensors)
+        buffers = create_buffers(default_kind(self.device), 2, self.size, self.device)
+        pending = []
+        try:
+            for i, bucket in enumerate(buckets):
+                if len(pending) == 2:
+                    self._wait(pending.pop(0), report)
+                t = time.perf_counter()
+                buf = buffers.buffers[i % 2]
+                manifest = []
+                for name, src, off in bucket:
+                    n = src.numel() * src.element_size()
+                    buf[off : off + n].view(src.dtype).view(src.shape).copy_(src)
+                    manifest.append([name, off, list(src.shape)])
+                if self.device.type == "cuda":
+                    torch.cuda.current_stream(self.device).synchronize()
+                report.pack_s += time.perf_counter() - t
+                desc = buffers.describe()
+                self.client.send({"op": _OP_BUCKET, "buffers": desc, "slot": i % 2, "tensors": manifest, "bucket": i})
+                pending.append(i)
+            while pending:
+                self._wait(pending.pop(0), report)
+        finally:
+            buffers.close()
+        report.bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        report.buckets = len(buckets)
+        report.total_s = time.perf_counter() - t0
+        return report
+
+    def _wait(self, bucket: int, report: RefitReport) -> None:
+        t = time.perf_counter()
+        reply = self.client.recv(self.timeout_s, step=f"baseline refit {self.version}, bucket {bucket}")
+        report.wait_s += time.perf_counter() - t
+        if reply.get("op") != "applied" or reply.get("bucket") != bucket:
+            raise RuntimeError(f"baseline engine answered {reply}")
+        report.engine_apply_s += float(reply.get("apply_s", 0.0))
+
+    def close(self, *, shutdown_engine: bool = False) -> None:
+        if shutdown_engine:
+            self.client.request({"op": "shutdown"}, self.timeout_s, step="shutting the baseline engine down")
+        self.client.close()
+
+
+class BaselineReceiver:
+    """Opens each bucket's handles anew and loads tensor by tensor, quantizing on the engine."""
+
+    def __init__(self, engine: Engine, *, timeout_s: float = 120.0):
+        self.engine = engine
+        self.server = ControlServer()
+        self.timeout_s = timeout_s
+        self.destinations: dict[str, Destination] = engine.destinations()
+        self.storage = {name: engine.storage(name) for name in engine.params()}
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    @property
+    def token(self) -> bytes:
+        return self.server.token
+
+    def _view(self, target) -> torch.Tensor:
+        return self.storage[target.param][target.offset : target.offset + target.nbytes].view(target.dtype).view(target.shape)
+
+    def serve(self) -> None:
+        while True:
+            msg = self.server.recv(None, step="waiting for a baseline bucket")
+            if msg.get("op") == "shutdown":
+                self.server.send({"op": "bye"})
+                return
+            t = time.perf_counter()
+            opened = open_buffers(msg["buffers"], self.engine.device)
+            try:
+                buf = opened.buffers[int(msg["slot"])]
+                for name, off, shape in msg["tensors"]:
+                    dest = self.destinations[name]
+                    n = 2 * math.prod(shape)  # the baseline ships bfloat16
+                    src = buf[off : off + n].view(torch.bfloat16).view(shape)
+                    if dest.format == "mxfp8":
+                        values, scales = mxfp8.quantize(src, backend="torch", name=name)
+                        self._view(dest.targets[0]).copy_(values)
+                        self._view(dest.targets[1]).copy_(scales)
+                    else:
+                        self._view(dest.targets[0]).copy_(src)
+                if self.engine.device.type == "cuda":
+                    torch.cuda.current_stream(self.engine.device).synchronize()
+            finally:
+                opened.close()
+            self.server.send({"op": "applied", "bucket": msg["bucket"], "apply_s": time.perf_counter() - t})
+
+    def close(self) -> None:
+        self.server.close()

@@ -1,0 +1,50 @@
+"""Command line: ``mxrefit bench``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from mxrefit.bench.report import plot, print_table
+    from mxrefit.bench.run import MODES, bench
+
+    modes = MODES if args.mode == "both" else (args.mode,)
+    result = bench(model=args.model, device=args.device, steps=args.steps, warmup=args.warmup, modes=modes,
+                   bucket_bytes=args.bucket_mb << 20, experts=args.experts, progress=not args.no_progress)
+    print_table(result)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.plot:
+        plot(result, args.plot)
+    check = result["modes"].get("prequant", {}).get("check")
+    return 1 if check and check["mismatched"] else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mxrefit.shapes import BUILTIN
+
+    parser = argparse.ArgumentParser(prog="mxrefit", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("bench", help="time refits of a built-in model: baseline vs prequant vs the copy floor")
+    b.add_argument("--model", default="tiny-qwen3-moe", choices=sorted(BUILTIN))
+    b.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    b.add_argument("--steps", type=int, default=5, help="timed refits per mode (medians are reported)")
+    b.add_argument("--warmup", type=int, default=1)
+    b.add_argument("--mode", default="both", choices=("both", "baseline", "prequant"))
+    b.add_argument("--bucket-mb", type=int, default=512, help="transfer bucket size (raised to the largest tensor)")
+    b.add_argument("--experts", default="per_expert", choices=("per_expert", "grouped"), help="trainer's expert tensor layout")
+    b.add_argument("--json", metavar="PATH", help="write every figure as one JSON object")
+    b.add_argument("--plot", metavar="PATH", help="write a PNG of the phase breakdown (needs matplotlib)")
+    b.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    if args.command == "bench":
+        return _bench(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,253 @@
+"""vLLM 0.32's parameter layout for Qwen3 / Qwen3-MoE / Llama, and where each HF tensor lands in it.
+
+The tables are computed from a ``ModelShape`` alone, so a plan can be made (and checked) without
+an engine. What they encode was read in vLLM 0.32's source (``vllm/`` below) and confirmed by
+building the real model modules on CPU (``tests/test_vllm_layout.py`` does it in a subprocess,
+compares ``named_parameters()`` and loads bytes through vLLM's own ``load_weights``):
+
+- Names are the HF ones except for the fusions. ``self_attn.qkv_proj.weight`` holds rows
+  ``[q; k; v]`` (``QKVParallelLinear``, ``models/qwen3_moe.py:284``, ``qwen3.py:106``,
+  ``llama.py:165``; the ``q``/``k``/``v`` shard ids of ``hf_to_vllm_mapper``,
+  ``qwen3_moe.py:436``). A dense MLP's ``mlp.gate_up_proj.weight`` holds rows ``[gate; up]``
+  (``MergedColumnParallelLinear``, shard 0 = gate_proj, 1 = up_proj).
+- Routed experts are nested one level deeper in 0.32: ``FusedMoEFactory`` returns a
+  ``MoERunner`` whose child ``routed_experts`` owns the weights
+  (``layers/fused_moe/layer.py:383-425``, ``runner/moe_runner.py:272``), so the names are
+  ``mlp.experts.routed_experts.w13_weight [E, 2I, H]`` (per expert rows ``[w1=gate; w3=up]``)
+  and ``mlp.experts.routed_experts.w2_weight [E, H, I]``. vLLM's loader takes the grouped HF
+  slab ``gate_up_proj [E, 2I, H]`` untransposed and splits it with ``chunk(2, dim=1)`` into
+  w1, w3 (``layers/fused_moe/routed_experts.py:1047``; Qwen3-MoE passes
+  ``is_fused_checkpoint_transposed=False``), the same byte order as ``w13_weight``: a grouped
+  slab is one contiguous copy into the whole parameter.
+- The router ``mlp.gate.weight [E, H]`` (``GateLinear``, ``qwen3_moe.py:170``) is registered
+  before the experts and stays BF16; so do the norms, ``embed_tokens`` and ``lm_head``. vLLM
+  quantizes ``lm_head`` and the router unless the checkpoint's ``exclude_modules`` lists them
+  (``lm_head``, ``model.layers.*.mlp.gate``): the project's MXFP8 config always does.
+- ModelOpt MXFP8 (``layers/quantization/modelopt.py``): a linear layer gets ``weight``
+  (``float8_e4m3fn [N, K]``) and ``weight_scale`` (``uint8 [N, K/32]``), ``KMxfp8Static``
+  (lines 2271-2322); MoE gets ``w13_weight``, ``w2_weight``, ``w13_weight_scale
+  [E, 2I, H/32]``, ``w2_weight_scale [E, H, I/32]`` registered in that order
+  (``ModelOptMxFp8FusedMoE.create_weights``, lines 1300-1357). ``MXFP8_SCALE_DTYPE`` is
+  ``uint8`` (``quantization/utils/mxfp8_utils.py:10``). Every scale parameter is named by its
+  values parameter plus ``_scale``.
+- The quantized ``Attention`` also gets scalar ``attn.{q,k,v,prob}_scale`` (KV-cache scales,
+  ``quantization/kv_cache.py:60-71``). They are not weights: no trainer tensor feeds them and
+  they are set from ``kv_cache_quant_algo`` after loading, so they are left out here.
+- Tied embeddings: ``lm_head.tie_weights(embed_tokens)`` makes ``lm_head.weight`` the embedding
+  parameter (``qwen3_moe.py:587``, ``layers/vocab_parallel_embedding.py:88-92``), so the model
+  has no separate ``lm_head.weight`` and the only destination is ``embed_tokens``.
+- ``VocabParallelEmbedding`` pads the global vocabulary to a multiple of 64
+  (``DEFAULT_VOCAB_PADDING_SIZE``); padding rows have no source, so such shapes are refused.
+
+Byte offsets are into each parameter's row-major storage (``Target`` in ``engines.base``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mxrefit.engines.base import Destination, ParamSpec, Target
+from mxrefit.formats.mxfp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE
+from mxrefit.shapes import DTYPE, ModelShape, hf_tensor_specs
+
+VOCAB_PADDING = 64
+EXPERTS = "mlp.experts.routed_experts"
+FORMAT_MXFP8 = "mxfp8"
+FORMAT_BF16 = "bf16"
+
+
+def scale_param(name: str) -> str:
+    """The uint8 scale parameter that goes with an MXFP8 values parameter."""
+    return f"{name}_scale"
+
+
+def _linear_params(shape: ModelShape) -> list[tuple[str, tuple[int, ...]]]:
+    """The engine's quantizable weights (name, shape), in vLLM's registration order."""
+    h, hd = shape.hidden, shape.head_dim
+    out: list[tuple[str, tuple[int, ...]]] = []
+    for i in range(shape.layers):
+        p = f"model.layers.{i}"
+        out.append((f"{p}.self_attn.qkv_proj.weight", ((shape.heads + 2 * shape.kv_heads) * hd, h)))
+        out.append((f"{p}.self_attn.o_proj.weight", (h, shape.heads * hd)))
+        if shape.is_moe:
+            e, mi = shape.experts, shape.moe_intermediate
+            out.append((f"{p}.{EXPERTS}.w13_weight", (e, 2 * mi, h)))
+            out.append((f"{p}.{EXPERTS}.w2_weight", (e, h, mi)))
+        else:
+            out.append((f"{p}.mlp.gate_up_proj.weight", (2 * shape.intermediate, h)))
+            out.append((f"{p}.mlp.down_proj.weight", (h, shape.intermediate)))
+    return out
+
+
+def quantized_param_names(shape: ModelShape) -> list[str]:
+    """The values parameters that are MXFP8 in an MXFP8 engine; each has a ``scale_param``.
+
+    Everything else (router, norms, embed_tokens, lm_head) stays BF16.
+    """
+    return [n for n, _ in _linear_params(shape)]
+
+
+def _check(shape: ModelShape, mxfp8: bool) -> None:
+    if (shape.vocab * shape.tp_share) % VOCAB_PADDING:
+        raise ValueError(
+            f"{shape.name}: vLLM pads the vocabulary ({shape.vocab * shape.tp_share}) to a multiple of "
+            f"{VOCAB_PADDING}; the padding rows of embed_tokens/lm_head have no trainer tensor, which "
+            f"this layout does not model"
+        )
+    if mxfp8:
+        for name, s in _linear_params(shape):
+            if s[-1] % BLOCK:
+                raise ValueError(f"{shape.name}: {name} has K={s[-1]}, not a multiple of the MXFP8 block {BLOCK}")
+
+
+def vllm_params(shape: ModelShape, *, mxfp8: bool) -> dict[str, ParamSpec]:
+    """Every weight parameter of vLLM's model, by name, in ``named_parameters()`` order."""
+    _check(shape, mxfp8)
+    h, hd = shape.hidden, shape.head_dim
+    linear = dict(_linear_params(shape))
+    out: dict[str, ParamSpec] = {}
+
+    def add(name: str, shp: tuple[int, ...], dtype: torch.dtype = DTYPE) -> None:
+        out[name] = ParamSpec(name, tuple(shp), dtype)
+
+    def add_linear(name: str) -> None:
+        shp = linear[name]
+        if mxfp8:
+            add(name, shp, VALUE_DTYPE)
+            add(scale_param(name), (*shp[:-1], shp[-1] // BLOCK), SCALE_DTYPE)
+        else:
+            add(name, shp)
+
+    add("model.embed_tokens.weight", (shape.vocab, h))
+    for i in range(shape.layers):
+        p = f"model.layers.{i}"
+        add_linear(f"{p}.self_attn.qkv_proj.weight")
+        add_linear(f"{p}.self_attn.o_proj.weight")
+        if shape.arch == "qwen3":
+            add(f"{p}.self_attn.q_norm.weight", (hd,))
+            add(f"{p}.self_attn.k_norm.weight", (hd,))
+        if shape.is_moe:
+            add(f"{p}.mlp.gate.weight", (shape.router_experts, h))
+            w13, w2 = f"{p}.{EXPERTS}.w13_weight", f"{p}.{EXPERTS}.w2_weight"
+            if mxfp8:
+                add(w13, linear[w13], VALUE_DTYPE)
+                add(w2, linear[w2], VALUE_DTYPE)
+                add(scale_param(w13), (*linear[w13][:-1], h // BLOCK), SCALE_DTYPE)
+                add(scale_param(w2), (*linear[w2][:-1], shape.moe_intermediate // BLOCK), SCALE_DTYPE)
+            else:
+                add(w13, linear[w13])
+                add(w2, linear[w2])
+        else:
+            add_linear(f"{p}.mlp.gate_up_proj.weight")
+            add_linear(f"{p}.mlp.down_proj.weight")
+        add(f"{p}.input_layernorm.weight", (h,))
+        add(f"{p}.post_attention_layernorm.weight", (h,))
+    add("model.norm.weight", (h,))
+    if not shape.tied_embeddings:
+        add("lm_head.weight", (shape.vocab, h))
+    return out
+
+
+def _route(shape: ModelShape, hf_name: str) -> tuple[str, int]:
+    """(engine param, first row) for an HF tensor; rows count over all leading dims."""
+    hd, mi, im = shape.head_dim, shape.moe_intermediate, shape.intermediate
+    if not hf_name.startswith("model.layers."):
+        return hf_name, 0
+    layer, _, rest = hf_name[len("model.layers."):].partition(".")
+    p = f"model.layers.{layer}"
+    attn = {
+        "self_attn.q_proj.weight": 0,
+        "self_attn.k_proj.weight": shape.heads * hd,
+        "self_attn.v_proj.weight": (shape.heads + shape.kv_heads) * hd,
+    }
+    if rest in attn:
+        return f"{p}.self_attn.qkv_proj.weight", attn[rest]
+    dense = {"mlp.gate_proj.weight": 0, "mlp.up_proj.weight": im}
+    if rest in dense:
+        return f"{p}.mlp.gate_up_proj.weight", dense[rest]
+    if rest == "mlp.experts.gate_up_proj":
+        return f"{p}.{EXPERTS}.w13_weight", 0
+    if rest == "mlp.experts.down_proj":
+        return f"{p}.{EXPERTS}.w2_weight", 0
+    if rest.startswith("mlp.experts."):
+        e_str, _, proj = rest[len("mlp.experts."):].partition(".")
+        e = int(e_str)
+        if proj == "gate_proj.weight":
+            return f"{p}.{EXPERTS}.w13_weight", e * 2 * mi
+        if proj == "up_proj.weight":
+            return f"{p}.{EXPERTS}.w13_weight", e * 2 * mi + mi
+        if proj == "down_proj.weight":
+            return f"{p}.{EXPERTS}.w2_weight", e * shape.hidden
+        raise ValueError(f"unknown expert tensor {hf_name!r}")
+    return hf_name, 0
+
+
+def vllm_destinations(shape: ModelShape, *, mxfp8: bool, experts: str = "per_expert") -> dict[str, Destination]:
+    """For each HF tensor of ``hf_tensor_specs(shape, experts=experts)``, where its bytes go.
+
+    A tensor landing in a quantized parameter (``mxfp8=True``) is sent as format ``"mxfp8"``
+    with two targets, values then scales; every other tensor is ``"bf16"`` with one target.
+    """
+    params = vllm_params(shape, mxfp8=mxfp8)
+    quantized = set(quantized_param_names(shape)) if mxfp8 else set()
+    out: dict[str, Destination] = {}
+    for name, src_shape, _ in hf_tensor_specs(shape, experts=experts):
+        param, row = _route(shape, name)
+        spec = params.get(param)
+        if spec is None:
+            raise ValueError(f"{name}: no vLLM parameter {param!r} for it in {shape.name}")
+        k = src_shape[-1]
+        rows = math.prod(src_shape[:-1])
+        param_rows = math.prod(spec.shape[:-1])
+        if spec.shape[-1] != k or row + rows > param_rows:
+            raise ValueError(
+                f"{name}: source {tuple(src_shape)} is not a contiguous row range of {param} {spec.shape} "
+                f"(rows {row}..{row + rows}, last dim {k})"
+            )
+        if param in quantized:
+            sk = k // BLOCK
+            targets = (
+                Target(param, row * k * VALUE_DTYPE.itemsize, tuple(src_shape), VALUE_DTYPE),
+                Target(scale_param(param), row * sk * SCALE_DTYPE.itemsize, (*src_shape[:-1], sk), SCALE_DTYPE),
+            )
+            out[name] = Destination(name, FORMAT_MXFP8, targets)
+        else:
+            out[name] = Destination(name, FORMAT_BF16, (Target(param, row * k * DTYPE.itemsize, tuple(src_shape), DTYPE),))
+    return out
+
+
+def coverage_check(params: dict[str, ParamSpec], destinations: dict[str, Destination], *, limit: int = 10) -> None:
+    """Raise ValueError unless every byte of every param is written by exactly one target.
+
+    Also refused: a target naming an unknown param, or whose dtype is not the param's (its
+    bytes would be read as the wrong type). The message names the first ``limit`` problems.
+    """
+    ranges: dict[str, list[tuple[int, int, str]]] = {n: [] for n in params}
+    problems: list[str] = []
+    for dest in destinations.values():
+        for t in dest.targets:
+            spec = params.get(t.param)
+            if spec is None:
+                problems.append(f"{dest.name}: target param {t.param!r} does not exist")
+                continue
+            if t.dtype != spec.dtype:
+                problems.append(f"{dest.name}: target dtype {t.dtype} != {t.param} dtype {spec.dtype}")
+            ranges[t.param].append((t.offset, t.offset + t.nbytes, dest.name))
+    for name, spec in params.items():
+        pos, last = 0, None
+        for start, end, src in sorted(ranges[name]):
+            if start < pos:
+                problems.append(f"{name}: bytes [{start}, {min(end, pos)}) written by both {last} and {src}")
+            elif start > pos:
+                problems.append(f"{name}: bytes [{pos}, {start}) not covered")
+            if end > pos:
+                pos, last = end, src
+        if pos < spec.nbytes:
+            problems.append(f"{name}: bytes [{pos}, {spec.nbytes}) not covered")
+        elif pos > spec.nbytes:
+            problems.append(f"{name}: {last} writes bytes up to {pos}, past the end ({spec.nbytes})")
+    if problems:
+        more = f" (and {len(problems) - limit} more)" if len(problems) > limit else ""
+        raise ValueError(f"coverage check failed: {'; '.join(problems[:limit])}{more}")
