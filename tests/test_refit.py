@@ -158,8 +158,8 @@ def test_trainer_killed_mid_refit_leaves_engine_partial_then_repaired():
             time.sleep(0.2)
         status = sender.status()
         assert status["state"] == "partial" and status["version"] == 1, status
-        # the trainer sent "ready" for buckets 0-3 (two ahead of the acks); os._exit may drop the last one unsent
-        assert "3 s timeout" in status["error"] and re.search(r"no bucket [34] of", status["error"]), status
+        # buckets 0 and 1 were applied (acked); "ready" for 2 and 3 may or may not have left before os._exit
+        assert "3 s timeout" in status["error"] and re.search(r"no bucket [234] of 5", status["error"]), status
         sender.plan([SourceSpec(n, tuple(w.shape), w.dtype) for n, w in first.items()])  # buffers again ours
         repaired = _weights(42)
         report = sender.refit(repaired)
