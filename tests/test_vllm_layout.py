@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -223,9 +224,10 @@ def _child(out_path: str) -> None:
 
     register_linear_kernel(EmulationMxfp8LinearKernel, PlatformEnum.CPU, "mxfp8")
     results = []
+    work = tempfile.mkdtemp()
     for n, case in enumerate(_CASES):
         cfg = _tiny_config(case["kind"], case["tied"])
-        d = tempfile.mkdtemp()
+        d = os.path.join(work, str(n))
         cfg.save_pretrained(d)
         if case["mxfp8"]:
             path = os.path.join(d, "config.json")
@@ -241,7 +243,7 @@ def _child(out_path: str) -> None:
         with set_current_vllm_config(vc):
             if n == 0:
                 init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                             distributed_init_method=f"file://{tempfile.mktemp()}")
+                                             distributed_init_method=f"file://{os.path.join(work, 'dist')}")
                 initialize_model_parallel(1, 1)
             with set_default_torch_dtype(torch.bfloat16):
                 model = initialize_model(vc)
@@ -261,6 +263,7 @@ def _child(out_path: str) -> None:
                     mismatched.append(f"{name} -> {t.param}@{t.offset}")
         results.append({"case": case, "named": named, "mismatched": mismatched,
                         "tied_same": bool(case["tied"]) and model.lm_head.weight is model.model.embed_tokens.weight})
+    shutil.rmtree(work, ignore_errors=True)
     with open(out_path, "w") as f:
         json.dump(results, f)
 
@@ -270,9 +273,10 @@ def real_vllm() -> list[dict]:
     pytest.importorskip("vllm")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
-        env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR")
-        proc = subprocess.run([sys.executable, __file__, out], capture_output=True, text=True, timeout=300, env=env,
-                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+        env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR", PYTHONPATH=path)
+        proc = subprocess.run([sys.executable, __file__, out], capture_output=True, text=True, timeout=300, env=env, cwd=root)
         assert proc.returncode == 0, proc.stderr[-4000:]
         with open(out) as f:
             return json.load(f)
@@ -293,5 +297,4 @@ def test_matches_real_vllm_model(real_vllm, index):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.getcwd())
     _child(sys.argv[1])

@@ -31,7 +31,7 @@ from mxrefit.shapes import BUILTIN, ModelShape, hf_tensor_specs
 MODES = ("baseline", "prequant")
 
 
-def _engine_main(conn, model: str, mode: str, device: str, timeout_s: float) -> None:
+def _engine_main(conn, model: str, mode: str, device: str, timeout_s: float, experts: str) -> None:
     """Engine process: build the layout, serve refits until told to stop, report memory."""
     from mxrefit.bench.baseline import BaselineReceiver
     from mxrefit.receiver import Receiver
@@ -40,7 +40,7 @@ def _engine_main(conn, model: str, mode: str, device: str, timeout_s: float) -> 
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     shape = BUILTIN[model]
-    engine = LayoutEngine(vllm_params(shape, mxfp8=True), vllm_destinations(shape, mxfp8=True), dev)
+    engine = LayoutEngine(vllm_params(shape, mxfp8=True), vllm_destinations(shape, mxfp8=True, experts=experts), dev)
     base_mem = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
@@ -113,13 +113,13 @@ def _sample_check(sender, engine_dests, weights: dict[str, torch.Tensor]) -> dic
 
 
 def run_mode(mode: str, shape: ModelShape, device: torch.device, weights: dict[str, torch.Tensor], *,
-             steps: int, warmup: int, bucket_bytes: int, timeout_s: float, on_step=None) -> dict[str, Any]:
+             steps: int, warmup: int, bucket_bytes: int, timeout_s: float, experts: str, on_step=None) -> dict[str, Any]:
     from mxrefit.bench.baseline import BaselineSender
     from mxrefit.sender import Sender
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_engine_main, args=(child, shape.name, mode, str(device), timeout_s), daemon=True)
+    proc = ctx.Process(target=_engine_main, args=(child, shape.name, mode, str(device), timeout_s, experts), daemon=True)
     proc.start()
     try:
         if not parent.poll(600):
@@ -148,7 +148,7 @@ def run_mode(mode: str, shape: ModelShape, device: torch.device, weights: dict[s
                 on_step()
         result: dict[str, Any] = {"mode": mode, "steps": [asdict(r) for r in reports]}
         if mode == "prequant":
-            result["check"] = _sample_check(sender, vllm_destinations(shape, mxfp8=True), weights)
+            result["check"] = _sample_check(sender, vllm_destinations(shape, mxfp8=True, experts=experts), weights)
         result["trainer_peak_extra_bytes"] = torch.cuda.max_memory_allocated(device) - base_mem if device.type == "cuda" else 0
         sender.close(shutdown_engine=True)
         result.update(parent.recv() if parent.poll(60) else {})
@@ -199,7 +199,7 @@ def bench(model: str = "tiny-qwen3-moe", device: str = "auto", steps: int = 5, w
         for mode in modes:
             task = bar.add_task(f"{mode} refits", total=warmup + steps)
             results[mode] = run_mode(mode, shape, dev, weights, steps=steps, warmup=warmup, bucket_bytes=bucket_bytes,
-                                     timeout_s=timeout_s, on_step=lambda t=task: bar.advance(t))
+                                     timeout_s=timeout_s, experts=experts, on_step=lambda t=task: bar.advance(t))
     out: dict[str, Any] = {
         "model": model, "device": str(dev), "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "tensors": len(specs), "trainer_bf16_bytes": trainer_bytes, "engine_bytes": engine_bytes,
