@@ -75,7 +75,8 @@ class Bucket:
     runs: list[Run] = field(default_factory=list)
 
 
-def _align(n: int) -> int:
+def align(n: int) -> int:
+    """Round up to the buffer alignment."""
     return -(-n // ALIGN) * ALIGN
 
 
@@ -91,9 +92,6 @@ class RefitPlan:
     @property
     def total_bytes(self) -> int:
         return sum(r.nbytes for b in self.buckets for r in b.runs)
-
-    def source_index(self) -> dict[str, int]:
-        return {s.name: i for i, s in enumerate(self.sources)}
 
 
 def _check(sources: list[SourceSpec], params: dict[str, ParamSpec], destinations: dict[str, Destination]) -> None:
@@ -145,7 +143,7 @@ def _layout(bucket: Bucket, sources_parts: dict[int, list[Target]], param_rank: 
         if contiguous:
             bucket.runs[-1] = Run(prev.offset, prev.param, prev.param_offset, prev.nbytes + t.nbytes)
         else:
-            offset = _align(offset)
+            offset = align(offset)
             bucket.runs.append(Run(offset, t.param, t.offset, t.nbytes))
         bucket.parts.append(Part(s, r, offset, t))
         offset += t.nbytes
@@ -164,8 +162,8 @@ def build_plan(
     """Validate and lay out a refit; raises PlanMismatch listing every problem."""
     _check(sources, params, destinations)
     targets = {i: list(destinations[s.name].targets) for i, s in enumerate(sources)}
-    footprint = {i: sum(_align(t.nbytes) for t in ts) for i, ts in targets.items()}
-    bucket_bytes = max(_align(bucket_bytes), max(footprint.values(), default=ALIGN))
+    footprint = {i: sum(align(t.nbytes) for t in ts) for i, ts in targets.items()}
+    bucket_bytes = max(align(bucket_bytes), max(footprint.values(), default=ALIGN))
     param_rank = {name: i for i, name in enumerate(params)}
     buckets: list[Bucket] = []
     used = bucket_bytes

@@ -14,16 +14,12 @@ import torch
 
 from mxrefit.engines.base import Destination, Engine
 from mxrefit.formats import mxfp8
-from mxrefit.plan import ALIGN
+from mxrefit.plan import align
 from mxrefit.sender import RefitReport
 from mxrefit.transport.buffers import create_buffers, default_kind, open_buffers
 from mxrefit.transport.control import ControlClient, ControlServer
 
 _OP_BUCKET = "baseline_bucket"
-
-
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
 
 
 class BaselineSender:
@@ -35,11 +31,11 @@ class BaselineSender:
         self.version = 0
 
     def _buckets(self, tensors: dict[str, torch.Tensor]) -> list[list[tuple[str, torch.Tensor, int]]]:
-        biggest = max(_align(t.numel() * t.element_size()) for t in tensors.values())
+        biggest = max(align(t.numel() * t.element_size()) for t in tensors.values())
         size = max(self.bucket_bytes, biggest)
         buckets, used = [[]], 0
         for name, t in tensors.items():
-            n = _align(t.numel() * t.element_size())
+            n = align(t.numel() * t.element_size())
             if used + n > size:
                 buckets.append([])
                 used = 0
