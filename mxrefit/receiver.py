@@ -29,6 +29,7 @@ class ReceiveStats:
 
     version: int
     apply_s: float = 0.0
+    process_s: float = 0.0
     after_refit_s: float = 0.0
     buckets: int = 0
     bytes: int = 0
@@ -125,6 +126,7 @@ class Receiver:
         bufs = self._buffers.buffers
         if len(bufs) != plan.slots or any(b.numel() < plan.bucket_bytes for b in bufs):
             raise ValueError(f"trainer offered {len(bufs)} buffers, the plan needs {plan.slots} of {plan.bucket_bytes} bytes")
+        self.engine.prepare(plan)
         storage = {name: self.engine.storage(name) for name in self._params}
         self._appliers = []
         for bucket in plan.buckets:
@@ -169,6 +171,9 @@ class Receiver:
                     if self.engine.device.type == "cuda":
                         torch.cuda.current_stream(self.engine.device).synchronize()
                     stats.apply_s += time.perf_counter() - t
+                    t = time.perf_counter()
+                    self.engine.after_bucket(expected)
+                    stats.process_s += time.perf_counter() - t
                     stats.bytes += self._appliers[expected].nbytes
                     stats.buckets += 1
                     expected += 1
@@ -180,7 +185,8 @@ class Receiver:
                     self.version, self.state, self.last_error = version, "ready", None
                     stats.wall_s = time.perf_counter() - start
                     self.history.append(stats)
-                    self.server.send({"op": "committed", **self.status(), "apply_s": stats.apply_s, "after_refit_s": stats.after_refit_s})
+                    self.server.send({"op": "committed", **self.status(), "apply_s": stats.apply_s,
+                                      "process_s": stats.process_s, "after_refit_s": stats.after_refit_s})
                     return
                 elif op == "abort":
                     self._fail(f"trainer aborted the refit to version {version}: {msg.get('why', '')}")

@@ -40,6 +40,7 @@ class RefitReport:
     wait_s: float = 0.0
     total_s: float = 0.0
     engine_apply_s: float = 0.0
+    engine_process_s: float = 0.0
     engine_after_refit_s: float = 0.0
     bytes: int = 0
     buckets: int = 0
@@ -211,6 +212,7 @@ class Sender:
             raise RefitError(f"refit {version} failed: {err}", self._status_or_none()) from err
         self.engine_status = {"version": reply["version"], "state": reply["state"]}
         report.engine_apply_s = float(reply.get("apply_s", 0.0))
+        report.engine_process_s = float(reply.get("process_s", 0.0))
         report.engine_after_refit_s = float(reply.get("after_refit_s", 0.0))
         report.bytes = sum(b.nbytes for b in plan.buckets)
         report.buckets = len(plan.buckets)

@@ -13,8 +13,12 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from mxrefit.plan import RefitPlan
 
 
 @dataclass(frozen=True)
@@ -52,7 +56,14 @@ class ParamSpec:
 
 
 class Engine(ABC):
-    """The receiving side's model: tables once, storage views once, a hook after each refit."""
+    """The receiving side's model: tables once, storage views once, hooks as bytes land.
+
+    Call order on the engine side: ``params``/``destinations`` (once), then per adopted plan
+    ``prepare(plan)`` followed by ``storage`` for every param (views are built once and kept),
+    then per refit ``after_bucket(i)`` after bucket *i*'s bytes landed and ``after_refit`` once
+    all did. Engines whose parameters are written as they are need none of the hooks; engines
+    that stage checkpoint-format bytes and run post-load processing (vLLM) use all three.
+    """
 
     @abstractmethod
     def params(self) -> dict[str, ParamSpec]:
@@ -65,6 +76,12 @@ class Engine(ABC):
     @abstractmethod
     def storage(self, param: str) -> torch.Tensor:
         """The parameter's bytes as a flat contiguous uint8 view (written in place)."""
+
+    def prepare(self, plan: "RefitPlan") -> None:
+        """A plan was adopted: place any staging memory before ``storage`` views are taken."""
+
+    def after_bucket(self, bucket: int) -> None:
+        """Bucket ``bucket`` of the adopted plan landed: process what is now complete."""
 
     def after_refit(self, version: int) -> None:
         """Post-load processing once every byte of a refit has landed (layout shuffles, ...)."""
