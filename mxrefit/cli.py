@@ -9,19 +9,20 @@ import sys
 
 def _bench(args: argparse.Namespace) -> int:
     from mxrefit.bench.report import plot, print_table
-    from mxrefit.bench.run import MODES, bench
+    from mxrefit.bench.run import ALL_MODES, MODES, bench
 
-    modes = MODES if args.mode == "both" else (args.mode,)
+    modes = {"both": MODES, "all": ALL_MODES}.get(args.mode, (args.mode,))
     result = bench(model=args.model, device=args.device, steps=args.steps, warmup=args.warmup, modes=modes,
-                   bucket_bytes=args.bucket_mb << 20, experts=args.experts, progress=not args.no_progress)
+                   bucket_bytes=args.bucket_mb << 20, experts=args.experts, post=args.post, layers=args.layers,
+                   progress=not args.no_progress)
     print_table(result)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     if args.plot:
         plot(result, args.plot)
-    check = result["modes"].get("prequant", {}).get("check")
-    return 1 if check and check["mismatched"] else 0
+    bad = [m for m, r in result["modes"].items() if r.get("check", {}).get("mismatched")]
+    return 1 if bad else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,8 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     b.add_argument("--steps", type=int, default=5, help="timed refits per mode (medians are reported)")
     b.add_argument("--warmup", type=int, default=1)
-    b.add_argument("--mode", default="both", choices=("both", "baseline", "prequant"))
+    b.add_argument("--mode", default="both", choices=("both", "all", "baseline", "prequant", "prequant-buffers"),
+                   help="both = baseline + prequant; all adds prequant-buffers (mxrefit through transfer buffers)")
     b.add_argument("--bucket-mb", type=int, default=512, help="transfer bucket size (raised to the largest tensor)")
+    b.add_argument("--post", default="trtllm", choices=("trtllm", "none"),
+                   help="engine post-load layout: FlashInfer TRT-LLM (MoE shuffle, scale swizzle) or none")
+    b.add_argument("--layers", type=int, default=None, help="override the model's layer count (size sweeps)")
     b.add_argument("--experts", default="per_expert", choices=("per_expert", "grouped"), help="trainer's expert tensor layout")
     b.add_argument("--json", metavar="PATH", help="write every figure as one JSON object")
     b.add_argument("--plot", metavar="PATH", help="write a PNG of the phase breakdown (needs matplotlib)")

@@ -19,6 +19,7 @@ from mxrefit.engines.base import Engine
 from mxrefit.plan import PlanMismatch, RefitPlan, build_plan, sources_from_msg, tables_to_msg
 from mxrefit.transport.buffers import OpenedBuffers, open_buffers
 from mxrefit.transport.control import ControlServer, PeerTimeout
+from mxrefit.transport.exports import export_tensors
 
 log = logging.getLogger("mxrefit.receiver")
 
@@ -99,15 +100,21 @@ class Receiver:
     def _answer_setup(self, msg: dict) -> None:
         op = msg.get("op")
         if op == "hello":
-            self.server.send({"op": "tables", **tables_to_msg(self._params, self._destinations), **self.status()})
+            self.server.send({"op": "tables", **tables_to_msg(self._params, self._destinations), **self.status(),
+                              "exportable": bool(self.engine.exportable), "device": self.engine.device.type})
         elif op == "plan":
             try:
-                self._adopt_plan(msg)
-            except (PlanMismatch, ValueError) as err:
-                problems = err.problems if isinstance(err, PlanMismatch) else [str(err)]
+                reply = self._adopt_plan(msg)
+            except (PlanMismatch, ValueError, KeyError, TypeError) as err:
+                if isinstance(err, PlanMismatch):
+                    problems = err.problems
+                elif isinstance(err, ValueError):
+                    problems = [str(err)]
+                else:
+                    problems = [f"malformed plan message ({type(err).__name__}: {err})"]
                 self.server.send({"op": "error", "kind": "plan_mismatch", "problems": problems})
             else:
-                self.server.send({"op": "planned", "digest": self._plan.digest})
+                self.server.send(reply)
         elif op == "status":
             self.server.send({"op": "status", **self.status()})
         elif op == "checksum":
@@ -115,28 +122,46 @@ class Receiver:
         else:
             self.server.send({"op": "error", "kind": "protocol", "problems": [f"unexpected op {op!r} between refits"]})
 
-    def _adopt_plan(self, msg: dict) -> None:
+    def _adopt_plan(self, msg: dict) -> dict:
+        """Check the trainer's plan against our own, then wire the data path; returns the reply."""
         sources = sources_from_msg(msg["sources"])
         plan = build_plan(sources, self._params, self._destinations, bucket_bytes=int(msg["bucket_bytes"]), slots=int(msg["slots"]))
         if plan.digest != msg["digest"]:
             raise ValueError(f"plan digest {msg['digest'][:12]} from the trainer differs from the engine's {plan.digest[:12]}")
-        if self._buffers is not None:
-            self._buffers.close()
-        self._buffers = open_buffers(msg["buffers"], self.engine.device)
-        bufs = self._buffers.buffers
-        if len(bufs) != plan.slots or any(b.numel() < plan.bucket_bytes for b in bufs):
-            raise ValueError(f"trainer offered {len(bufs)} buffers, the plan needs {plan.slots} of {plan.bucket_bytes} bytes")
+        transport = msg.get("transport", "buffers")
+        if transport not in ("buffers", "direct"):
+            raise ValueError(f"unknown transport {transport!r}; expected 'buffers' or 'direct'")
+        self._release_data_path()
+        self._plan = None
         self.engine.prepare(plan)
         storage = {name: self.engine.storage(name) for name in self._params}
         self._appliers = []
-        for bucket in plan.buckets:
-            app = _Applier()
-            for r in bucket.runs:
-                app.srcs.append(bufs[bucket.slot][r.offset : r.offset + r.nbytes])
-                app.dsts.append(storage[r.param][r.param_offset : r.param_offset + r.nbytes])
-                app.nbytes += r.nbytes
-            self._appliers.append(app)
+        reply: dict = {"op": "planned", "digest": plan.digest}
+        if transport == "direct":
+            if not self.engine.exportable:
+                raise ValueError(f"this engine ({type(self.engine).__name__}) cannot export its storage; use buffers")
+            reply["exports"] = export_tensors(storage)
+            self._appliers = [_Applier(nbytes=sum(r.nbytes for r in b.runs)) for b in plan.buckets]
+        else:
+            self._buffers = open_buffers(msg["buffers"], self.engine.device)
+            bufs = self._buffers.buffers
+            if len(bufs) != plan.slots or any(b.numel() < plan.bucket_bytes for b in bufs):
+                raise ValueError(f"trainer offered {len(bufs)} buffers, the plan needs {plan.slots} of {plan.bucket_bytes} bytes")
+            for bucket in plan.buckets:
+                app = _Applier()
+                for r in bucket.runs:
+                    app.srcs.append(bufs[bucket.slot][r.offset : r.offset + r.nbytes])
+                    app.dsts.append(storage[r.param][r.param_offset : r.param_offset + r.nbytes])
+                    app.nbytes += r.nbytes
+                self._appliers.append(app)
         self._plan = plan
+        return reply
+
+    def _release_data_path(self) -> None:
+        self._appliers = []
+        if self._buffers is not None:
+            self._buffers.close()
+            self._buffers = None
 
     def _refit(self, begin: dict) -> None:
         version = int(begin.get("version", -1))
@@ -204,14 +229,14 @@ class Receiver:
             )
 
     def _checksums(self, ranges: list) -> list[str | None]:
-        """sha256 of engine bytes [offset, offset+n) of each named parameter (None if out of range)."""
+        """sha256 of the engine's served bytes [offset, offset+n) of each named parameter (None if out of range)."""
         out: list[str | None] = []
         for param, offset, n in ranges:
-            if param not in self._params or offset < 0 or offset + n > self._params[param].nbytes:
+            data = self.engine.read(param) if param in self._params else None
+            if data is None or offset < 0 or offset + n > data.numel():
                 out.append(None)
                 continue
-            data = self.engine.storage(param)[offset : offset + n].cpu().numpy().tobytes()
-            out.append(hashlib.sha256(data).hexdigest())
+            out.append(hashlib.sha256(data[offset : offset + n].cpu().numpy().tobytes()).hexdigest())
         return out
 
     def _fail(self, why: str) -> None:
@@ -219,8 +244,5 @@ class Receiver:
         log.error("%s; engine holds version %d, state %s", why, self.version, self.state)
 
     def close(self) -> None:
-        self._appliers = []
-        if self._buffers is not None:
-            self._buffers.close()
-            self._buffers = None
+        self._release_data_path()
         self.server.close()

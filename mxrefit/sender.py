@@ -1,25 +1,42 @@
-"""Trainer side of a refit: plan once, then per step encode buckets straight into persistent buffers.
+"""Trainer side of a refit: plan once, then per step encode buckets straight where they go.
 
+Two data paths, chosen once at ``plan``:
+- ``direct`` (when the engine can export its storage: CUDA on the same GPU, or host engines
+  whose storage lives in shared memory): every part is encoded straight into the engine's
+  own bytes; no buffer on either side, no engine-side copy;
+- buffers (``cuda_ipc`` / ``shm``): parts are encoded into two persistent slots and the
+  engine applies each bucket as one batched copy.
 Per step the work is: check the tensors are the planned ones (identity-cached), one
-non-finite pass (``torch._foreach_norm``, one launch), then per bucket one grouped MXFP8
-launch + one ``_foreach_copy_`` into the bucket's slot, a "ready" message, and the engine's
-"applied" answer before that slot is reused two buckets later.
+non-finite screen over every tensor (``mxrefit.finite_check``), then per bucket one grouped
+launch per format + a "ready" message; the engine answers "applied" once the bucket's bytes
+are in place (and processed, for engines that post-process), and bucket *i* is encoded only
+after bucket *i - slots* was applied.
+
+``refit`` also takes a stream of ``(name, tensor)`` pairs in the plan's order (e.g. FSDP2
+``full_tensor()`` per parameter): tensors are then pulled bucket by bucket and dropped after
+encoding, so the whole model is never materialized. A stream cannot be screened before the
+first write; a bad tensor then aborts the refit, which leaves the engine ``partial`` (its
+previous version named) until the next complete refit.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
+from mxrefit.finite_check import FiniteCheck
 from mxrefit.formats import get_format, mxfp8
 from mxrefit.plan import DEFAULT_BUCKET_BYTES, PlanMismatch, RefitPlan, SourceSpec, build_plan, sources_to_msg, tables_from_msg
-from mxrefit.transport.buffers import TransferBuffers, create_buffers, default_kind
+from mxrefit.transport.buffers import KINDS, TransferBuffers, create_buffers, default_kind
 from mxrefit.transport.control import ControlClient, ControlError
+from mxrefit.transport.exports import OpenedExports, open_exports
 
 _NO_BAD = 2**31 - 1
+TRANSPORTS = ("direct", *KINDS)
+Tensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
 
 class RefitError(RuntimeError):
@@ -35,6 +52,7 @@ class RefitError(RuntimeError):
 @dataclass
 class RefitReport:
     version: int
+    transport: str = ""
     check_s: float = 0.0
     pack_s: float = 0.0
     wait_s: float = 0.0
@@ -53,6 +71,10 @@ def _sync(device: torch.device) -> None:
 
 
 class Sender:
+    """Trainer side of a refit; use from one thread. ``transport``: None (direct when the
+    engine can export its storage, else buffers for this device), ``"direct"``, ``"shm"`` or
+    ``"cuda_ipc"``."""
+
     def __init__(
         self,
         address: str,
@@ -65,17 +87,22 @@ class Sender:
         timeout_s: float = 60.0,
         check_finite: bool = True,
     ):
+        if transport is not None and transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS} or None, got {transport!r}")
         self.device = torch.device(device)
         self.bucket_bytes = bucket_bytes
         self.slots = slots
-        self.transport = transport or default_kind(self.device)
+        self.requested_transport = transport
+        self.transport = ""
         self.timeout_s = timeout_s
         self.check_finite = check_finite
         self.client = ControlClient(address, token)
         self.address = address
         self.plan_: RefitPlan | None = None
         self.buffers: TransferBuffers | None = None
+        self.exports: OpenedExports | None = None
         self.engine_status: dict = {}
+        self._engine_info: dict = {}
         self._tables = None
         self._last_sources: list[torch.Tensor] | None = None
 
@@ -92,35 +119,70 @@ class Sender:
     def connect(self) -> None:
         reply = self._request({"op": "hello"}, "connecting")
         self._tables = tables_from_msg(reply)
+        self._engine_info = {"exportable": bool(reply.get("exportable")), "device": reply.get("device")}
         self.engine_status = {"version": reply["version"], "state": reply["state"]}
 
+    def _choose_transport(self) -> str:
+        same_kind = self._engine_info.get("device") == self.device.type
+        can_direct = self._engine_info.get("exportable") and same_kind
+        wanted = self.requested_transport
+        if wanted == "direct" and not can_direct:
+            raise ValueError(
+                f"transport 'direct' needs an engine that exports its storage on this device type "
+                f"({self.device.type}); the engine at {self.address} is on {self._engine_info.get('device')} "
+                f"and {'can' if self._engine_info.get('exportable') else 'cannot'} export"
+            )
+        if wanted is None:
+            return "direct" if can_direct else default_kind(self.device)
+        return wanted
+
     def plan(self, specs: Iterable[SourceSpec]) -> RefitPlan:
-        """Build the plan for these trainer tensors, allocate the buffers, and hand both to the engine."""
+        """Build the plan for these trainer tensors, wire the data path, and hand both to the engine."""
         if self._tables is None:
             self.connect()
         params, destinations = self._tables
         plan = build_plan(list(specs), params, destinations, bucket_bytes=self.bucket_bytes, slots=self.slots)
-        if self.buffers is None or self.buffers.nbytes < plan.bucket_bytes or len(self.buffers.buffers) != plan.slots:
-            if self.buffers is not None:
-                self.buffers.close()
-            self.buffers = create_buffers(self.transport, plan.slots, plan.bucket_bytes, self.device)
-        self._request(
-            {"op": "plan", "sources": sources_to_msg(plan.sources), "bucket_bytes": plan.bucket_bytes,
-             "slots": plan.slots, "digest": plan.digest, "buffers": self.buffers.describe()},
-            "sending the plan",
-        )
+        transport = self._choose_transport()
+        msg = {"op": "plan", "sources": sources_to_msg(plan.sources), "bucket_bytes": plan.bucket_bytes,
+               "slots": plan.slots, "digest": plan.digest}
+        self._close_data_path(keep_buffers=transport != "direct")
+        if transport == "direct":
+            msg["transport"] = "direct"
+        else:
+            if self.buffers is None or self.buffers.nbytes < plan.bucket_bytes or len(self.buffers.buffers) != plan.slots:
+                self._close_data_path()
+                self.buffers = create_buffers(transport, plan.slots, plan.bucket_bytes, self.device)
+            msg.update(transport="buffers", buffers=self.buffers.describe())
+        reply = self._request(msg, "sending the plan")
+        if transport == "direct":
+            self.exports = open_exports(reply["exports"], self.device if self.device.type == "cuda" else None)
+        self.transport = transport
         self.plan_ = plan
+        self._last_sources = None
         self._build_encoders(plan)
         return plan
 
+    def _close_data_path(self, keep_buffers: bool = False) -> None:
+        if self.exports is not None:
+            self.exports.close()
+            self.exports = None
+        if self.buffers is not None and not keep_buffers:
+            self.buffers.close()
+            self.buffers = None
+
+    def _part_view(self, plan: RefitPlan, bucket, part) -> torch.Tensor:
+        t = part.target
+        if self.transport == "direct":
+            flat = self.exports.tensors[t.param][t.offset : t.offset + t.nbytes]
+        else:
+            flat = self.buffers.buffers[bucket.slot][part.offset : part.offset + t.nbytes]
+        return flat.view(t.dtype).view(t.shape)
+
     def _build_encoders(self, plan: RefitPlan) -> None:
-        bufs = self.buffers.buffers
-        self._part_views: dict[int, list[torch.Tensor]] = {}
+        views: dict[int, list[torch.Tensor | None]] = {}
         for b in plan.buckets:
             for p in b.parts:
-                t = p.target
-                view = bufs[b.slot][p.offset : p.offset + t.nbytes].view(t.dtype).view(t.shape)
-                self._part_views.setdefault(p.source, [None] * 2)[p.role] = view
+                views.setdefault(p.source, [None] * 2)[p.role] = self._part_view(plan, b, p)
         self._bucket_encoders = []
         for b in plan.buckets:
             by_format: dict[str, list[int]] = {}
@@ -129,12 +191,23 @@ class Sender:
             encs = []
             for fmt_name, idx in by_format.items():
                 specs = [(plan.sources[i].shape, plan.sources[i].dtype) for i in idx]
-                outs = [[v for v in self._part_views[i] if v is not None] for i in idx]
+                outs = [[v for v in views[i] if v is not None] for i in idx]
                 encs.append((idx, get_format(fmt_name).encoder(specs, outs)))
             self._bucket_encoders.append(encs)
         self._bad = torch.full((1,), _NO_BAD, dtype=torch.int32, device=self.device)
+        self._finite: FiniteCheck | None = None
+        self._bucket_checks: dict[int, FiniteCheck] = {}
 
     # ---- every step ------------------------------------------------------------------------
+    def _check_source(self, s: SourceSpec, t: torch.Tensor) -> str | None:
+        if tuple(t.shape) != s.shape or t.dtype != s.dtype:
+            return f"tensor {s.name!r}: planned {s.shape} {s.dtype}, got {tuple(t.shape)} {t.dtype}"
+        if t.device != self.device:
+            return f"tensor {s.name!r} is on {t.device}, the sender works on {self.device}"
+        if not t.is_contiguous():
+            return f"tensor {s.name!r} is not contiguous (strides {t.stride()})"
+        return None
+
     def _ordered_sources(self, tensors: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
         plan = self.plan_
         if len(tensors) != len(plan.sources):
@@ -150,43 +223,52 @@ class Sender:
         last = self._last_sources
         if last is not None and all(a is b for a, b in zip(srcs, last)):
             return srcs
-        problems = []
-        for s, t in zip(plan.sources, srcs):
-            if tuple(t.shape) != s.shape or t.dtype != s.dtype:
-                problems.append(f"tensor {s.name!r}: planned {s.shape} {s.dtype}, got {tuple(t.shape)} {t.dtype}")
-            elif t.device != self.device:
-                problems.append(f"tensor {s.name!r} is on {t.device}, the sender works on {self.device}")
-            elif not t.is_contiguous():
-                problems.append(f"tensor {s.name!r} is not contiguous (strides {t.stride()})")
+        problems = [p for s, t in zip(plan.sources, srcs) if (p := self._check_source(s, t)) is not None]
         if problems:
             raise PlanMismatch(problems)
         self._last_sources = srcs
         return srcs
 
-    def _first_non_finite(self, srcs: list[torch.Tensor]) -> str | None:
-        norms = torch._foreach_norm(srcs)
-        finite = torch.isfinite(torch.stack(norms))
-        if bool(finite.all()):
-            return None
-        for i in torch.nonzero(~finite).flatten().tolist():  # a norm can overflow: confirm per tensor
-            if not bool(torch.isfinite(srcs[i]).all()):
-                return self.plan_.sources[i].name
-        return None
+    def _stream_bucket(self, stream: Iterator[tuple[str, torch.Tensor]], bucket) -> list[torch.Tensor]:
+        """Pull one bucket's tensors from a stream, in plan order, checked like a mapping's."""
+        out = []
+        for i in bucket.sources:
+            spec = self.plan_.sources[i]
+            try:
+                name, t = next(stream)
+            except StopIteration:
+                raise PlanMismatch([f"missing tensor {spec.name!r}: the stream ended early"]) from None
+            if name != spec.name:
+                raise PlanMismatch([f"stream yielded {name!r} where the plan has {spec.name!r} (streams must follow plan order)"])
+            problem = self._check_source(spec, t.detach())
+            if problem:
+                raise PlanMismatch([problem])
+            out.append(t.detach())
+        return out
 
     @torch.no_grad()
-    def refit(self, tensors: Mapping[str, torch.Tensor], *, version: int | None = None) -> RefitReport:
-        """Send every tensor to the engine; returns timings. Raises before any engine write on bad input."""
+    def refit(self, tensors: Tensors, *, version: int | None = None) -> RefitReport:
+        """Send every tensor to the engine; returns timings.
+
+        A mapping is checked whole (names, shapes, NaN/Inf) before any engine byte is
+        written; a stream is checked bucket by bucket (see the module docstring).
+        """
         t0 = time.perf_counter()
+        streaming = not isinstance(tensors, Mapping)
         if self.plan_ is None:
+            if streaming:
+                raise ValueError("plan() the stream's specs before the first refit from a stream")
             self.plan([SourceSpec(n, tuple(t.shape), t.dtype) for n, t in tensors.items()])
         plan = self.plan_
-        srcs = self._ordered_sources(tensors)
-        if self.check_finite:
-            bad_name = self._first_non_finite(srcs)
-            if bad_name is not None:
-                raise mxfp8.NonFiniteError(f"tensor {bad_name!r} holds NaN or Inf; nothing was sent to the engine")
+        srcs: list[torch.Tensor | None] = [None] * len(plan.sources)
+        if not streaming:
+            srcs = self._ordered_sources(tensors)
+            if self.check_finite and self._finite is None:
+                self._finite = FiniteCheck([(s.shape, s.dtype) for s in plan.sources], self.device)
+            self._screen(srcs)
+        stream = iter(tensors) if streaming else None
         version = int(self.engine_status.get("version", 0)) + 1 if version is None else version
-        report = RefitReport(version, check_s=time.perf_counter() - t0)
+        report = RefitReport(version, transport=self.transport, check_s=time.perf_counter() - t0)
         self._request({"op": "begin", "version": version, "digest": plan.digest}, f"starting refit {version}")
         acked = 0
         try:
@@ -194,6 +276,9 @@ class Sender:
                 while acked < b.index - plan.slots + 1:
                     acked = self._await_applied(acked, version, report)
                 t = time.perf_counter()
+                if streaming:
+                    for i, x in zip(b.sources, self._pull(stream, b, version, report)):
+                        srcs[i] = x
                 for idx, encode in encoders:
                     encode([srcs[i] for i in idx], self._bad)
                 bad = int(self._bad.item()) if self.device.type == "cuda" else int(self._bad)
@@ -204,6 +289,9 @@ class Sender:
                     raise RefitError(
                         f"refit {version}: non-finite values in {culprits} found while packing bucket {b.index}; "
                         f"{b.index} earlier buckets had reached the engine", self.engine_status)
+                if streaming:
+                    for i in b.sources:
+                        srcs[i] = None
                 self.client.send({"op": "ready", "version": version, "bucket": b.index})
             while acked < len(plan.buckets):
                 acked = self._await_applied(acked, version, report)
@@ -219,6 +307,32 @@ class Sender:
         report.total_s = time.perf_counter() - t0
         return report
 
+    def _screen(self, srcs: list[torch.Tensor]) -> None:
+        """Raise NonFiniteError naming the first tensor holding NaN/Inf (nothing written yet)."""
+        if self._finite is None:
+            return
+        bad = self._finite.first_bad(srcs)
+        if bad is not None:
+            raise mxfp8.NonFiniteError(f"tensor {self.plan_.sources[bad].name!r} holds NaN or Inf; nothing was sent to the engine")
+
+    def _pull(self, stream, bucket, version: int, report: RefitReport) -> list[torch.Tensor]:
+        """A stream's tensors for one bucket; bad input aborts the refit (earlier buckets landed)."""
+        try:
+            tensors = self._stream_bucket(stream, bucket)
+            if self.check_finite:
+                t = time.perf_counter()
+                if bucket.index not in self._bucket_checks:
+                    self._bucket_checks[bucket.index] = FiniteCheck([(tuple(x.shape), x.dtype) for x in tensors], self.device)
+                bad = self._bucket_checks[bucket.index].first_bad(tensors)
+                report.check_s += time.perf_counter() - t
+                if bad is not None:
+                    name = self.plan_.sources[bucket.sources[bad]].name
+                    raise mxfp8.NonFiniteError(f"tensor {name!r} holds NaN or Inf")
+        except (PlanMismatch, mxfp8.NonFiniteError) as err:
+            self._abort(version, f"bad input in bucket {bucket.index}: {err}")
+            raise RefitError(f"refit {version} stopped at bucket {bucket.index}: {err}", self.engine_status) from err
+        return tensors
+
     def _await_applied(self, acked: int, version: int, report: RefitReport) -> int:
         t = time.perf_counter()
         reply = self.client.recv(self.timeout_s, step=f"refit {version}, waiting for the engine to apply bucket {acked}")
@@ -228,8 +342,14 @@ class Sender:
         return acked + 1
 
     def _abort(self, version: int, why: str) -> None:
+        """Tell the engine to stop; skip the "applied" answers still in flight before its "aborted"."""
         try:
-            reply = self.client.request({"op": "abort", "version": version, "why": why}, self.timeout_s, step="aborting")
+            self.client.send({"op": "abort", "version": version, "why": why})
+            deadline = time.monotonic() + self.timeout_s
+            while True:
+                reply = self.client.recv(max(0.0, deadline - time.monotonic()), step="aborting")
+                if reply.get("op") != "applied":
+                    break
             self.engine_status = {"version": reply.get("version"), "state": reply.get("state")}
         except ControlError:
             pass
@@ -251,6 +371,4 @@ class Sender:
             except ControlError:
                 pass
         self.client.close()
-        if self.buffers is not None:
-            self.buffers.close()
-            self.buffers = None
+        self._close_data_path()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 
 def serve_tiny(conn, model: str, mxfp8: bool, timeout_s: float, tcp: bool = False) -> None:
     import models
@@ -37,3 +39,24 @@ def dying_trainer(address: str, token: bytes, model: str, die_after_acks: int) -
     module = models.tiny_llama(seed=5) if model == "llama" else models.tiny_qwen3_moe(seed=5)
     sender = DyingSender(address, token, bucket_bytes=16 << 10)
     sender.refit(dict(module.named_parameters()))
+
+
+def serve_layout(conn, shape, post: bool, timeout_s: float, experts: str = "per_expert") -> None:
+    """An engine process holding vLLM's MXFP8 layout of ``shape`` in exportable memory
+    (direct writes), optionally post-processed into the TRT-LLM kernel layout."""
+    from mxrefit.engines.layout import LayoutEngine
+    from mxrefit.engines.trtllm import vllm_mxfp8_units
+    from mxrefit.engines.vllm_layout import vllm_destinations, vllm_params
+    from mxrefit.receiver import Receiver
+
+    logging.basicConfig(level=logging.INFO)
+    params = vllm_params(shape, mxfp8=True)
+    units, kernel = vllm_mxfp8_units(shape, params, torch.device("cpu")) if post else ((), {})
+    engine = LayoutEngine(params, vllm_destinations(shape, mxfp8=True, experts=experts), "cpu", units=units, kernel=kernel)
+    receiver = Receiver(engine, timeout_s=timeout_s)
+    conn.send({"address": receiver.address, "token": receiver.token})
+    try:
+        receiver.serve()
+    finally:
+        receiver.close()
+        conn.send({**receiver.status(), "staging_bytes": engine.staging.pool_bytes if engine.staging else 0})

@@ -2,7 +2,10 @@
 
 BF16 goes over the wire; per step two ping-pong buffers are allocated anew and their handles
 exported and opened per bucket; the trainer packs tensor by tensor, and the engine, tensor by
-tensor, quantizes to MXFP8 (vLLM's torch path) and copies into its parameters.
+tensor, quantizes to MXFP8 (vLLM's torch path) and copies into its parameters. With
+``post="trtllm"`` the engine then brings its MXFP8 weights into FlashInfer's TRT-LLM layout
+expert by expert and step by step (swap, reorder, shuffle, interleave), in place, as
+vLLM's loaders did before batching them.
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ import time
 
 import torch
 
+from mxrefit.engines import trtllm
 from mxrefit.engines.base import Destination, Engine
+from mxrefit.engines.vllm_layout import EXPERTS, scale_param
 from mxrefit.formats import mxfp8
 from mxrefit.plan import align
 from mxrefit.sender import RefitReport
@@ -72,6 +77,8 @@ class BaselineSender:
                 self._wait(pending.pop(0), report)
         finally:
             buffers.close()
+        reply = self.client.request({"op": "commit"}, self.timeout_s, step=f"baseline refit {self.version}, post-processing")
+        report.engine_process_s = float(reply.get("process_s", 0.0))
         report.bytes = sum(t.numel() * t.element_size() for t in tensors.values())
         report.buckets = len(buckets)
         report.total_s = time.perf_counter() - t0
@@ -94,8 +101,10 @@ class BaselineSender:
 class BaselineReceiver:
     """Opens each bucket's handles anew and loads tensor by tensor, quantizing on the engine."""
 
-    def __init__(self, engine: Engine, *, timeout_s: float = 120.0):
+    def __init__(self, engine: Engine, *, timeout_s: float = 120.0, post: list[str] | None = None):
+        """``post``: the quantized values params to bring into the TRT-LLM layout after each refit."""
         self.engine = engine
+        self.post = post or []
         self.server = ControlServer()
         self.timeout_s = timeout_s
         self.destinations: dict[str, Destination] = engine.destinations()
@@ -109,6 +118,10 @@ class BaselineReceiver:
     def token(self) -> bytes:
         return self.server.token
 
+    def _typed(self, param: str) -> torch.Tensor:
+        spec = self.engine.params()[param]
+        return self.storage[param].view(spec.dtype).view(spec.shape)
+
     def _view(self, target) -> torch.Tensor:
         return self.storage[target.param][target.offset : target.offset + target.nbytes].view(target.dtype).view(target.shape)
 
@@ -119,6 +132,13 @@ class BaselineReceiver:
                 self.server.send({"op": "bye"})
                 return
             t = time.perf_counter()
+            if msg.get("op") == "commit":
+                for name in self.post:
+                    per_expert_trtllm(name, self._typed(name), self._typed(scale_param(name)))
+                if self.engine.device.type == "cuda":
+                    torch.cuda.current_stream(self.engine.device).synchronize()
+                self.server.send({"op": "committed", "process_s": time.perf_counter() - t})
+                continue
             opened = open_buffers(msg["buffers"], self.engine.device)
             try:
                 buf = opened.buffers[int(msg["slot"])]
@@ -140,3 +160,24 @@ class BaselineReceiver:
 
     def close(self) -> None:
         self.server.close()
+
+
+def per_expert_trtllm(name: str, values: torch.Tensor, scales: torch.Tensor) -> None:
+    """In place, one expert and one step at a time: the post-load loop users run today."""
+    if f"{EXPERTS}." not in name:
+        rows, cols = scales.shape
+        if trtllm.interleaved_size(rows, cols) != rows * cols:
+            raise ValueError(f"{name}: in-place swizzle needs scale rows % 128 == 0 and cols % 4 == 0")
+        scales.view(-1).copy_(scales.view(rows // 128, 4, 32, cols // 4, 4).permute(0, 3, 2, 1, 4).reshape(-1))
+        return
+    gated = name.endswith("w13_weight")
+    m = values.shape[1]
+    steps = ([trtllm.swap_rows(m), trtllm.gated_reorder_rows(m)] if gated else []) + [trtllm.shuffle_rows(m)]
+    steps = [s.to(values.device) for s in steps]
+    v8 = values.view(torch.uint8)
+    c = scales.shape[2]
+    for e in range(values.shape[0]):
+        for idx in steps:
+            v8[e].copy_(v8[e][idx])
+            scales[e].copy_(scales[e][idx])
+        scales[e].view(-1).copy_(scales[e].view(m // 128, 4, 32, c // 4, 4).permute(0, 3, 2, 1, 4).reshape(-1))

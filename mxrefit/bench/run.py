@@ -2,13 +2,19 @@
 
 The trainer process (this one) makes random BF16 weights with the model's HF names and
 shapes; the engine process holds vLLM's MXFP8 checkpoint layout (fused qkv / w13 / w2,
-E4M3 values + uint8 scales; embeddings, router, norms, lm_head BF16). Modes:
+E4M3 values + uint8 scales; embeddings, router, norms, lm_head BF16) and, with
+``post="trtllm"`` (the default), brings it into FlashInfer's TRT-LLM kernel layout after
+every refit (MoE values/scales shuffled and interleaved, linear scales swizzled), timed as
+its own phase. Modes:
 - ``baseline``: BF16 over the wire, buffers and handles new each step, the engine quantizes
-  tensor by tensor (``mxrefit.bench.baseline``);
-- ``prequant``: mxrefit — MXFP8 quantized on the trainer straight into persistent buffers,
-  applied by the engine as batched copies.
-After the last prequant step the engine's bytes for a sample of tensors from every family
-are compared (sha256) with ``mxfp8.quantize`` of the trainer's tensors.
+  tensor by tensor, then post-processes expert by expert (``mxrefit.bench.baseline``);
+- ``prequant``: mxrefit — MXFP8 quantized on the trainer straight into the engine's memory
+  (direct transport), post-processed layer by layer as buckets land, in one gather each;
+- ``prequant-buffers``: mxrefit through two persistent transfer buffers instead.
+After the last step of an mxrefit mode the engine's bytes for one tensor of every family
+are compared (sha256) with ``mxfp8.quantize`` of the trainer's tensors, brought into the
+kernel layout by plain indexing (``trtllm.reference_kernel_bytes``) where the engine
+post-processes.
 """
 
 from __future__ import annotations
@@ -17,21 +23,40 @@ import hashlib
 import multiprocessing as mp
 import statistics
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import torch
 
 from mxrefit.engines.layout import LayoutEngine
-from mxrefit.engines.vllm_layout import vllm_destinations, vllm_params
+from mxrefit.engines.trtllm import reference_kernel_bytes, vllm_mxfp8_units
+from mxrefit.engines.vllm_layout import quantized_param_names, scale_param, vllm_destinations, vllm_params
 from mxrefit.formats import mxfp8
 from mxrefit.plan import SourceSpec
 from mxrefit.shapes import BUILTIN, ModelShape, hf_tensor_specs
 
 MODES = ("baseline", "prequant")
+ALL_MODES = ("baseline", "prequant", "prequant-buffers")
+POST = ("trtllm", "none")
 
 
-def _engine_main(conn, model: str, mode: str, device: str, timeout_s: float, experts: str) -> None:
+def resolve_shape(model: str, layers: int | None = None) -> ModelShape:
+    """A built-in shape, optionally with fewer or more layers (for size sweeps)."""
+    shape = BUILTIN[model]
+    if layers is not None and layers != shape.layers:
+        shape = replace(shape, name=f"{shape.name}@{layers}l", layers=layers)
+    return shape
+
+
+def _post_params(shape: ModelShape, post: str) -> set[str]:
+    """Engine params whose served bytes are in a kernel layout after post-processing."""
+    if post == "none":
+        return set()
+    names = quantized_param_names(shape)
+    return {scale_param(n) for n in names} | {n for n in names if ".experts." in n}
+
+
+def _engine_main(conn, shape: ModelShape, mode: str, device: str, timeout_s: float, experts: str, post: str) -> None:
     """Engine process: build the layout, serve refits until told to stop, report memory."""
     from mxrefit.bench.baseline import BaselineReceiver
     from mxrefit.receiver import Receiver
@@ -39,19 +64,29 @@ def _engine_main(conn, model: str, mode: str, device: str, timeout_s: float, exp
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    shape = BUILTIN[model]
-    engine = LayoutEngine(vllm_params(shape, mxfp8=True), vllm_destinations(shape, mxfp8=True, experts=experts), dev)
+    params = vllm_params(shape, mxfp8=True)
+    dests = vllm_destinations(shape, mxfp8=True, experts=experts)
+    if mode == "baseline":
+        engine = LayoutEngine(params, dests, dev)
+    else:
+        units, kernel = vllm_mxfp8_units(shape, params, dev) if post == "trtllm" else ((), {})
+        engine = LayoutEngine(params, dests, dev, units=units, kernel=kernel)
     base_mem = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    receiver = BaselineReceiver(engine, timeout_s=timeout_s) if mode == "baseline" else Receiver(engine, timeout_s=timeout_s)
+    if mode == "baseline":
+        post_names = quantized_param_names(shape) if post == "trtllm" else []
+        receiver = BaselineReceiver(engine, timeout_s=timeout_s, post=post_names)
+    else:
+        receiver = Receiver(engine, timeout_s=timeout_s)
     conn.send({"address": receiver.address, "token": receiver.token})
     try:
         receiver.serve()
     finally:
         peak = torch.cuda.max_memory_allocated(dev) - base_mem if dev.type == "cuda" else 0
+        pool = engine.staging.pool_bytes if getattr(engine, "staging", None) is not None else 0
         receiver.close()
-        conn.send({"engine_peak_extra_bytes": peak})
+        conn.send({"engine_peak_extra_bytes": peak, "engine_staging_bytes": pool})
 
 
 def _family(name: str) -> str:
@@ -93,33 +128,64 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     return 2 * nbytes / statistics.median(times)
 
 
-def _sample_check(sender, engine_dests, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Engine bytes of one tensor per family equal quantize() of the trainer's tensor."""
+def _sha(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
+
+
+def _checkpoint_param(param: str, nbytes: int, engine_dests, weights: dict[str, torch.Tensor], device) -> torch.Tensor:
+    """The checkpoint-format bytes of one engine param, assembled from every trainer tensor landing in it."""
+    out = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    for name, dest in engine_dests.items():
+        if not any(t.param == param for t in dest.targets):
+            continue
+        parts = mxfp8.quantize(weights[name]) if dest.format == "mxfp8" else (weights[name],)
+        for tgt, part in zip(dest.targets, parts):
+            if tgt.param == param:
+                out[tgt.offset : tgt.offset + tgt.nbytes] = part.contiguous().view(-1).view(torch.uint8)
+    return out
+
+
+def _sample_check(sender, shape: ModelShape, engine_dests, weights: dict[str, torch.Tensor], post: str) -> dict[str, Any]:
+    """Engine bytes of one tensor per family equal quantize() of the trainer's tensor; where the
+    engine serves a kernel layout, the whole param is compared with the reference layout."""
     picked: dict[str, str] = {}
     for name in weights:
         picked.setdefault(_family(name), name)
-    ranges, want = [], []
+    kernel_params = _post_params(shape, post)
+    params = vllm_params(shape, mxfp8=True)
+    ranges, want, staged = [], [], set()
     for name in picked.values():
         dest = engine_dests[name]
         src = weights[name]
         parts = mxfp8.quantize(src) if dest.format == "mxfp8" else (src.to(dest.targets[0].dtype),)
         for tgt, part in zip(dest.targets, parts):
+            if tgt.param in kernel_params:
+                staged.add(tgt.param)
+                continue
             ranges.append([tgt.param, tgt.offset, tgt.nbytes])
-            want.append(hashlib.sha256(part.contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()).hexdigest())
+            want.append(_sha(part))
+    for param in sorted(staged):
+        ckpt = _checkpoint_param(param, params[param].nbytes, engine_dests, weights, next(iter(weights.values())).device)
+        expected = reference_kernel_bytes(param, ckpt.view(params[param].dtype).view(params[param].shape))
+        ranges.append([param, 0, expected.numel()])
+        want.append(_sha(expected))
     reply = sender.client.request({"op": "checksum", "ranges": ranges}, sender.timeout_s, step="checking engine bytes")
     got = reply["sha256"]
     bad = [r[0] for r, g, w in zip(ranges, got, want) if g != w]
-    return {"families": sorted(picked), "tensors_checked": len(picked), "parts_checked": len(ranges), "mismatched": bad}
+    return {"families": sorted(picked), "tensors_checked": len(picked), "parts_checked": len(ranges),
+            "kernel_layout_params_checked": len(staged), "mismatched": bad}
 
 
 def run_mode(mode: str, shape: ModelShape, device: torch.device, weights: dict[str, torch.Tensor], *,
-             steps: int, warmup: int, bucket_bytes: int, timeout_s: float, experts: str, on_step=None) -> dict[str, Any]:
+             steps: int, warmup: int, bucket_bytes: int, timeout_s: float, experts: str, post: str,
+             on_step=None) -> dict[str, Any]:
     from mxrefit.bench.baseline import BaselineSender
     from mxrefit.sender import Sender
+    from mxrefit.transport.buffers import default_kind
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_engine_main, args=(child, shape.name, mode, str(device), timeout_s, experts), daemon=True)
+    proc = ctx.Process(target=_engine_main, args=(child, shape, mode, str(device), timeout_s, experts, post), daemon=True)
     proc.start()
     try:
         if not parent.poll(600):
@@ -132,7 +198,9 @@ def run_mode(mode: str, shape: ModelShape, device: torch.device, weights: dict[s
         if mode == "baseline":
             sender = BaselineSender(hello["address"], hello["token"], device=device, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
         else:
-            sender = Sender(hello["address"], hello["token"], device=device, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+            transport = default_kind(device) if mode == "prequant-buffers" else None
+            sender = Sender(hello["address"], hello["token"], device=device, bucket_bytes=bucket_bytes,
+                            timeout_s=timeout_s, transport=transport)
             sender.plan([SourceSpec(n, tuple(t.shape), t.dtype) for n, t in weights.items()])
         reports = []
         tensors = list(weights.values())
@@ -147,8 +215,9 @@ def run_mode(mode: str, shape: ModelShape, device: torch.device, weights: dict[s
             if on_step is not None:
                 on_step()
         result: dict[str, Any] = {"mode": mode, "steps": [asdict(r) for r in reports]}
-        if mode == "prequant":
-            result["check"] = _sample_check(sender, vllm_destinations(shape, mxfp8=True, experts=experts), weights)
+        if mode != "baseline":
+            result["transport"] = sender.transport
+            result["check"] = _sample_check(sender, shape, vllm_destinations(shape, mxfp8=True, experts=experts), weights, post)
         result["trainer_peak_extra_bytes"] = torch.cuda.max_memory_allocated(device) - base_mem if device.type == "cuda" else 0
         sender.close(shutdown_engine=True)
         result.update(parent.recv() if parent.poll(60) else {})
@@ -159,8 +228,8 @@ def run_mode(mode: str, shape: ModelShape, device: torch.device, weights: dict[s
     return result
 
 
-def _median(reports: list[dict], key: str) -> float:
-    return statistics.median(r[key] for r in reports)
+def _median(reports: list[dict], key) -> float:
+    return statistics.median(key(r) if callable(key) else r[key] for r in reports)
 
 
 def summarize(result: dict[str, Any]) -> dict[str, float]:
@@ -171,6 +240,7 @@ def summarize(result: dict[str, Any]) -> dict[str, float]:
         "pack_s": _median(reps, "pack_s"),
         "wait_s": _median(reps, "wait_s"),
         "engine_s": _median(reps, "engine_apply_s"),
+        "post_s": _median(reps, lambda r: r["engine_process_s"] + r["engine_after_refit_s"]),
         "check_s": _median(reps, "check_s"),
         "total_s": total,
         "bytes": nbytes,
@@ -180,17 +250,20 @@ def summarize(result: dict[str, Any]) -> dict[str, float]:
 
 def bench(model: str = "tiny-qwen3-moe", device: str = "auto", steps: int = 5, warmup: int = 1,
           modes: tuple[str, ...] = MODES, bucket_bytes: int = 512 << 20, timeout_s: float = 300.0,
-          experts: str = "per_expert", progress: bool = True) -> dict[str, Any]:
+          experts: str = "per_expert", post: str = "trtllm", layers: int | None = None,
+          progress: bool = True) -> dict[str, Any]:
     """Run the benchmark and return one JSON-able object with every figure."""
     from rich.progress import Progress
 
+    if post not in POST:
+        raise ValueError(f"post must be one of {POST}, got {post!r}")
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else torch.device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
-    shape = BUILTIN[model]
+    shape = resolve_shape(model, layers)
     specs = [SourceSpec(n, tuple(s), dt) for n, s, dt in hf_tensor_specs(shape, experts=experts)]
     with Progress(disable=not progress, transient=True) as bar:
-        task = bar.add_task(f"weights for {model}", total=len(specs))
+        task = bar.add_task(f"weights for {shape.name}", total=len(specs))
         weights = make_weights(specs, dev, progress=lambda: bar.advance(task))
         trainer_bytes = sum(t.numel() * t.element_size() for t in weights.values())
         engine_bytes = sum(p.nbytes for p in vllm_params(shape, mxfp8=True).values())
@@ -199,12 +272,13 @@ def bench(model: str = "tiny-qwen3-moe", device: str = "auto", steps: int = 5, w
         for mode in modes:
             task = bar.add_task(f"{mode} refits", total=warmup + steps)
             results[mode] = run_mode(mode, shape, dev, weights, steps=steps, warmup=warmup, bucket_bytes=bucket_bytes,
-                                     timeout_s=timeout_s, experts=experts, on_step=lambda t=task: bar.advance(t))
+                                     timeout_s=timeout_s, experts=experts, post=post,
+                                     on_step=lambda t=task: bar.advance(t))
     out: dict[str, Any] = {
-        "model": model, "device": str(dev), "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "model": shape.name, "device": str(dev), "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "tensors": len(specs), "trainer_bf16_bytes": trainer_bytes, "engine_bytes": engine_bytes,
         "copy_GBps": bw / 1e9, "floor_s": (trainer_bytes + engine_bytes) / bw, "steps": steps, "warmup": warmup,
-        "bucket_bytes": bucket_bytes, "modes": {},
+        "bucket_bytes": bucket_bytes, "post": post, "experts": experts, "modes": {},
     }
     for mode, res in results.items():
         out["modes"][mode] = {**summarize(res), **{k: v for k, v in res.items() if k != "steps"}, "per_step": res["steps"]}

@@ -86,6 +86,15 @@ class Engine(ABC):
     def after_refit(self, version: int) -> None:
         """Post-load processing once every byte of a refit has landed (layout shuffles, ...)."""
 
+    def read(self, param: str) -> torch.Tensor:
+        """The parameter's bytes as the engine serves them (after any processing), flat uint8."""
+        return self.storage(param)
+
+    @property
+    def exportable(self) -> bool:
+        """Whether ``storage`` views can be exported to the trainer for direct writes."""
+        return self.device.type == "cuda"
+
     @property
     def device(self) -> torch.device:
         first = next(iter(self.params()))

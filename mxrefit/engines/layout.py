@@ -1,23 +1,53 @@
 """An engine made from tables alone: storage for every parameter of a given layout.
 
 Used where the real engine is not at hand (the benchmark's vLLM-layout engine on one GPU,
-tests of layouts), so the refit path — plan, buffers, batched copies into fused parameters —
-runs exactly as it would against the live model.
+tests of layouts), so the refit path — plan, direct writes or buffers, batched copies into
+fused parameters, staged post-processing — runs exactly as it would against a live model.
+
+All directly written parameters live in one exportable arena (one CUDA IPC handle, or one
+shared-memory segment on the host), so the trainer can write into them directly. Optional
+staged units (``mxrefit.engines.staging``) receive checkpoint-format bytes and write the
+kernel tensors when processed, as a real engine's post-load processing would.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from mxrefit.engines.base import Destination, Engine, ParamSpec
+from mxrefit.engines.staging import ALIGN, StagedUnit, StagingPool
+from mxrefit.transport.exports import allocate
 
 
 class LayoutEngine(Engine):
-    def __init__(self, params: dict[str, ParamSpec], destinations: dict[str, Destination], device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        params: dict[str, ParamSpec],
+        destinations: dict[str, Destination],
+        device: torch.device | str = "cpu",
+        *,
+        units: Sequence[StagedUnit] = (),
+        kernel: dict[str, torch.Tensor] | None = None,
+        deferred: bool = False,
+    ):
+        """``units`` are staged (their params get no arena storage); ``kernel`` maps a staged
+        param to the tensor its processing writes, which ``read`` then returns."""
         self._params = dict(params)
         self._destinations = dict(destinations)
         self._device = torch.device(device)
-        self.tensors = {n: torch.zeros(p.shape, dtype=p.dtype, device=self._device) for n, p in params.items()}
+        self.staging = StagingPool(self._params, units, self._device, deferred=deferred) if units else None
+        direct = [n for n in params if not (self.staging and self.staging.staged(n))]
+        offsets, total = {}, 0
+        for n in direct:
+            offsets[n] = total
+            total += -(-params[n].nbytes // ALIGN) * ALIGN
+        self.arena = allocate(max(total, 1), self._device)
+        self.arena.zero_()
+        self._storage = {n: self.arena[offsets[n] : offsets[n] + params[n].nbytes] for n in direct}
+        self.tensors = {n: s.view(params[n].dtype).view(params[n].shape) for n, s in self._storage.items()}
+        self.kernel = dict(kernel or {})
 
     def params(self) -> dict[str, ParamSpec]:
         return dict(self._params)
@@ -25,8 +55,31 @@ class LayoutEngine(Engine):
     def destinations(self) -> dict[str, Destination]:
         return dict(self._destinations)
 
+    def prepare(self, plan) -> None:
+        if self.staging is not None:
+            self.staging.place(plan)
+
     def storage(self, param: str) -> torch.Tensor:
-        return self.tensors[param].reshape(-1).view(torch.uint8)
+        if self.staging is not None and self.staging.staged(param):
+            return self.staging.storage(param)
+        return self._storage[param]
+
+    def read(self, param: str) -> torch.Tensor:
+        if param in self.kernel:
+            return self.kernel[param].reshape(-1).view(torch.uint8)
+        return self._storage[param]
+
+    def after_bucket(self, bucket: int) -> None:
+        if self.staging is not None:
+            self.staging.after_bucket(bucket)
+
+    def after_refit(self, version: int) -> None:
+        if self.staging is not None:
+            self.staging.process_all()
+
+    @property
+    def exportable(self) -> bool:
+        return True
 
     @property
     def device(self) -> torch.device:
