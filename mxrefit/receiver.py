@@ -229,10 +229,14 @@ class Receiver:
             )
 
     def _checksums(self, ranges: list) -> list[str | None]:
-        """sha256 of the engine's served bytes [offset, offset+n) of each named parameter (None if out of range)."""
+        """sha256 of the engine's served bytes [offset, offset+n) of each named parameter (None if out of
+        range, or if the engine serves the param in a processed layout with no such bytes)."""
         out: list[str | None] = []
         for param, offset, n in ranges:
-            data = self.engine.read(param) if param in self._params else None
+            try:
+                data = self.engine.read(param) if param in self._params else None
+            except ValueError:
+                data = None
             if data is None or offset < 0 or offset + n > data.numel():
                 out.append(None)
                 continue

@@ -45,6 +45,7 @@ Byte offsets are into each parameter's row-major storage (``Target`` in ``engine
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 
 import torch
 
@@ -89,6 +90,19 @@ def quantized_param_names(shape: ModelShape) -> list[str]:
     return [n for n, _ in _linear_params(shape)]
 
 
+def _quantized(shape: ModelShape, mxfp8: bool, quantized: Collection[str] | None) -> set[str]:
+    """The values params held as MXFP8: all linear weights, or the given subset of them."""
+    if not mxfp8:
+        return set()
+    names = set(quantized_param_names(shape))
+    if quantized is None:
+        return names
+    unknown = set(quantized) - names
+    if unknown:
+        raise ValueError(f"{shape.name}: {sorted(unknown)[:5]} are not quantizable linear weights of this layout")
+    return set(quantized)
+
+
 def _check(shape: ModelShape, mxfp8: bool) -> None:
     if (shape.vocab * shape.tp_share) % VOCAB_PADDING:
         raise ValueError(
@@ -102,11 +116,16 @@ def _check(shape: ModelShape, mxfp8: bool) -> None:
                 raise ValueError(f"{shape.name}: {name} has K={s[-1]}, not a multiple of the MXFP8 block {BLOCK}")
 
 
-def vllm_params(shape: ModelShape, *, mxfp8: bool) -> dict[str, ParamSpec]:
-    """Every weight parameter of vLLM's model, by name, in ``named_parameters()`` order."""
+def vllm_params(shape: ModelShape, *, mxfp8: bool, quantized: Collection[str] | None = None) -> dict[str, ParamSpec]:
+    """Every weight parameter of vLLM's model, by name, in ``named_parameters()`` order.
+
+    ``quantized`` narrows which linear weights are MXFP8 (default: all of them when
+    ``mxfp8``), for checkpoints whose ``exclude_modules`` keep some layers in BF16.
+    """
     _check(shape, mxfp8)
     h, hd = shape.hidden, shape.head_dim
     linear = dict(_linear_params(shape))
+    held = _quantized(shape, mxfp8, quantized)
     out: dict[str, ParamSpec] = {}
 
     def add(name: str, shp: tuple[int, ...], dtype: torch.dtype = DTYPE) -> None:
@@ -114,7 +133,7 @@ def vllm_params(shape: ModelShape, *, mxfp8: bool) -> dict[str, ParamSpec]:
 
     def add_linear(name: str) -> None:
         shp = linear[name]
-        if mxfp8:
+        if name in held:
             add(name, shp, VALUE_DTYPE)
             add(scale_param(name), (*shp[:-1], shp[-1] // BLOCK), SCALE_DTYPE)
         else:
@@ -131,7 +150,9 @@ def vllm_params(shape: ModelShape, *, mxfp8: bool) -> dict[str, ParamSpec]:
         if shape.is_moe:
             add(f"{p}.mlp.gate.weight", (shape.router_experts, h))
             w13, w2 = f"{p}.{EXPERTS}.w13_weight", f"{p}.{EXPERTS}.w2_weight"
-            if mxfp8:
+            if (w13 in held) != (w2 in held):
+                raise ValueError(f"{p}: vLLM quantizes a MoE layer's w13 and w2 together; got only one of them")
+            if w13 in held:
                 add(w13, linear[w13], VALUE_DTYPE)
                 add(w2, linear[w2], VALUE_DTYPE)
                 add(scale_param(w13), (*linear[w13][:-1], h // BLOCK), SCALE_DTYPE)
@@ -184,14 +205,15 @@ def _route(shape: ModelShape, hf_name: str) -> tuple[str, int]:
     return hf_name, 0
 
 
-def vllm_destinations(shape: ModelShape, *, mxfp8: bool, experts: str = "per_expert") -> dict[str, Destination]:
+def vllm_destinations(shape: ModelShape, *, mxfp8: bool, experts: str = "per_expert",
+                      quantized: Collection[str] | None = None) -> dict[str, Destination]:
     """For each HF tensor of ``hf_tensor_specs(shape, experts=experts)``, where its bytes go.
 
     A tensor landing in a quantized parameter (``mxfp8=True``) is sent as format ``"mxfp8"``
     with two targets, values then scales; every other tensor is ``"bf16"`` with one target.
     """
-    params = vllm_params(shape, mxfp8=mxfp8)
-    quantized = set(quantized_param_names(shape)) if mxfp8 else set()
+    params = vllm_params(shape, mxfp8=mxfp8, quantized=quantized)
+    quantized = _quantized(shape, mxfp8, quantized)
     out: dict[str, Destination] = {}
     for name, src_shape, _ in hf_tensor_specs(shape, experts=experts):
         param, row = _route(shape, name)

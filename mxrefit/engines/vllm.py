@@ -1,0 +1,623 @@
+"""vLLM as an mxrefit engine, plugged in the two ways RL stacks drive vLLM.
+
+Inside a vLLM worker, ``VllmEngine`` describes the live model as mxrefit tables, built once:
+HF tensor names (per-expert or grouped experts) routed to vLLM's fused checkpoint-format
+parameters (``engines/vllm_layout.py``), with shapes and dtypes checked against the
+checkpoint-format metadata vLLM records when it builds the model. Every refit lands in a
+staging pool (``engines/staging.py``; only the layers in flight hold memory), and each
+layer, once its bytes are complete, goes through vLLM's own post-load processing — the
+same steps as vLLM's layerwise reload (materialize the checkpoint-format layer, run
+``process_weights_after_loading``, copy the result into the kernel tensors in place, so
+captured graphs stay valid) — minus the per-tensor weight loaders: the fused parameters
+arrive whole. Whatever the backend does after loading (Marlin repack on Hopper, FlashInfer
+shuffles on Blackwell, MXFP8 emulation or GEMM prepacking on CPU) therefore runs on fresh
+checkpoint bytes every refit, and no stale swizzled copy can survive. Modules that alias a
+refitted parameter (a tied ``lm_head``) are re-processed with it.
+
+Architectures the tables do not know, or whose live parameters disagree with them, take
+vLLM's own loader (``model.load_weights`` inside its layerwise reload) from checkpoint-named
+staging, with a warning naming the parameters on that slow path.
+
+On FlashInfer's TRT-LLM MXFP8 MoE backend (Blackwell), MoE layers skip vLLM's three-gather
+shuffle for the folded one-pass layout of ``engines/trtllm.py``; with ``MXREFIT_VERIFY=1``
+the first refit also runs vLLM's own processing and compares the bytes.
+
+Plugging in:
+- ``WeightTransferConfig(backend="mxrefit")``: ``MxrefitWeightTransferEngine`` (worker side)
+  and ``MxrefitTrainerEngine`` (trainer side, ``WeightTransferTrainerFactory``) follow
+  vLLM 0.32's ``init_weight_transfer_engine`` / ``start_weight_update`` /
+  ``update_weights`` / ``finish_weight_update``. ``register()`` is the ``vllm.general_plugins``
+  entry point, so vLLM's processes know the backend without extra imports.
+- ``worker_extension_cls="mxrefit.engines.vllm.RefitWorkerExtension"`` with
+  ``collective_rpc("mxrefit_init" | "mxrefit_receive" | ...)``, methods by name.
+Importing this module on a CPU build registers vLLM's MXFP8 emulation linear kernel, which
+vLLM 0.32's CPU build lacks, so dense MXFP8 models run on CPU.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from mxrefit.engines.base import Destination, Engine, ParamSpec, Target
+from mxrefit.engines.staging import StagedUnit, StagingPool
+from mxrefit.formats.mxfp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE
+from mxrefit.shapes import EXPERT_LAYOUTS, ModelShape
+
+log = logging.getLogger("mxrefit.vllm")
+
+SUPPORTED_VLLM = ("0.32.",)
+BACKEND = "mxrefit"
+_NOT_WEIGHTS = ("Attention", "MLAAttention", "RotaryEmbedding")  # modules whose params no trainer tensor feeds
+
+
+class VllmSetupError(ValueError):
+    """The engine and the requested refit cannot work together; raised before any weight moves."""
+
+
+def check_vllm_version() -> str:
+    import vllm
+
+    version = getattr(vllm, "__version__", "unknown")
+    if not version.startswith(SUPPORTED_VLLM):
+        raise VllmSetupError(
+            f"mxrefit's vLLM engine is written against vLLM {', '.join(v + 'x' for v in SUPPORTED_VLLM)} "
+            f"(its layerwise reload internals and parameter layouts); this is vLLM {version}"
+        )
+    return version
+
+
+# ---- the live model as tables -------------------------------------------------------------
+def checkpoint_specs(model: torch.nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype, str]]:
+    """Every weight parameter as the checkpoint holds it: {name: (shape, dtype, module type)}.
+
+    Read from the metadata vLLM recorded before loading (``record_metadata_for_reloading``),
+    not from the live tensors, which post-load processing may have repacked.
+    """
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    out = {}
+    for mname, module in model.named_modules():
+        kind = type(module).__name__
+        info = LAYERWISE_INFO.get(module)
+        params = info.restore_metadata[0] if info is not None else dict(module.named_parameters(recurse=False))
+        for attr, t in params.items():
+            name = f"{mname}.{attr}" if mname else attr
+            out[name] = (tuple(t.shape), t.dtype, kind)
+    return out
+
+
+def _fast_tables(shape: ModelShape, live: dict, experts: str) -> tuple[dict[str, ParamSpec], dict[str, Destination], list[str]]:
+    """Tables from the known layout, checked against the live checkpoint-format params."""
+    from mxrefit.engines.vllm_layout import quantized_param_names, vllm_destinations, vllm_params
+
+    quantized = [p for p in quantized_param_names(shape) if p in live and live[p][1] == VALUE_DTYPE]
+    mx = bool(quantized)
+    params = vllm_params(shape, mxfp8=mx, quantized=quantized if mx else None)
+    dests = vllm_destinations(shape, mxfp8=mx, experts=experts, quantized=quantized if mx else None)
+    problems = []
+    for name, spec in params.items():
+        got = live.get(name)
+        if got is None:
+            problems.append(f"{name}: in mxrefit's table but not in the live model")
+        elif got[0] != spec.shape or got[1] != spec.dtype:
+            problems.append(f"{name}: table says {spec.shape} {spec.dtype}, the live model holds {got[0]} {got[1]}")
+    for name, (_, _, kind) in live.items():
+        if name not in params and kind not in _NOT_WEIGHTS:
+            problems.append(f"{name}: a {kind} parameter the table does not know")
+    return params, dests, problems
+
+
+def _manifest(model_path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Names, shapes and dtypes of the checkpoint's tensors (safetensors headers; no data read)."""
+    from safetensors import safe_open
+
+    files = sorted(f for f in os.listdir(model_path) if f.endswith(".safetensors"))
+    if not files:
+        raise VllmSetupError(f"{model_path}: no safetensors files to learn the checkpoint's tensor names from")
+    out = {}
+    for f in files:
+        with safe_open(os.path.join(model_path, f), "pt") as st:
+            for name in st.keys():
+                sl = st.get_slice(name)
+                out[name] = (tuple(sl.get_shape()), _ST_DTYPES[sl.get_dtype()])
+    return out
+
+
+_ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F8_E4M3": torch.float8_e4m3fn,
+              "U8": torch.uint8, "I8": torch.int8, "I32": torch.int32, "I64": torch.int64}
+
+
+def _fallback_tables(manifest: dict) -> tuple[dict[str, ParamSpec], dict[str, Destination]]:
+    """One staging param per checkpoint tensor, named as the checkpoint names it; MXFP8
+    pairs (``x.weight`` fp8 + ``x.weight_scale`` uint8) become one mxfp8 destination."""
+    params, dests = {}, {}
+    for name, (shape, dtype) in manifest.items():
+        params[name] = ParamSpec(name, shape, dtype)
+    for name, (shape, dtype) in manifest.items():
+        if name.endswith("_scale") and name[: -len("_scale")] in manifest:
+            continue
+        scale = f"{name}_scale"
+        if dtype == VALUE_DTYPE and scale in manifest:
+            dests[name] = Destination(name, "mxfp8", (Target(name, 0, shape, VALUE_DTYPE),
+                                                      Target(scale, 0, manifest[scale][0], SCALE_DTYPE)))
+        else:
+            dests[name] = Destination(name, "bf16", (Target(name, 0, shape, dtype),))
+    return params, dests
+
+
+# ---- processing one vLLM module -----------------------------------------------------------
+def _process_with_vllm(module: torch.nn.Module, staged: dict[str, torch.Tensor]) -> None:
+    """vLLM's layerwise reload for one module, fed whole checkpoint-format params instead of loaders."""
+    from vllm.model_executor.model_loader.reload.layerwise import _copy_and_restore_kernel_tensors, get_layerwise_info
+    from vllm.model_executor.model_loader.reload.meta import materialize_layer, restore_layer_on_meta
+    from vllm.model_executor.model_loader.reload.utils import get_layer_params_buffers
+
+    info = get_layerwise_info(module)
+    info.kernel_tensors = get_layer_params_buffers(module)
+    info.kernel_non_persistent_buffers = set(module._non_persistent_buffers_set)
+    restore_layer_on_meta(module, info)
+    materialize_layer(module, info)
+    for attr, t in staged.items():
+        getattr(module, attr).data.copy_(t)
+    if hasattr(module, "_already_called_process_weights_after_loading"):
+        delattr(module, "_already_called_process_weights_after_loading")
+    qm = module.quant_method
+    first_load_kernel = getattr(qm, "moe_kernel", None) is None
+    qm.process_weights_after_loading(module)
+    if not first_load_kernel and _replays_expert_prepack(qm):
+        # vLLM 0.32's unquantized MoE runs its experts' own post-load step (CPU: pad and prepack
+        # into the grouped-GEMM layout) only when it first builds the kernel, so a reload leaves
+        # the experts unpacked and the CPU kernel computes garbage. Replay it on the fresh bytes.
+        qm.moe_kernel.fused_experts.process_weights_after_loading(module)
+    if hasattr(module, "update_param_tp_status"):
+        module.update_param_tp_status()
+    info.loaded_weights = [(attr, None) for attr in staged]
+    _copy_and_restore_kernel_tensors(module, info)
+    info.reset()
+
+
+def _replays_expert_prepack(qm: Any) -> bool:
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    return isinstance(qm, UnquantizedFusedMoEMethod)
+
+
+def _needs_vllm_processing(module: torch.nn.Module) -> bool:
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    return isinstance(getattr(module, "quant_method", None), QuantizeMethodBase)
+
+
+def _trtllm_moe(module: torch.nn.Module) -> bool:
+    """True for an MXFP8 MoE layer on FlashInfer's TRT-LLM backend (Blackwell)."""
+    qm = getattr(module, "quant_method", None)
+    backend = getattr(qm, "mxfp8_backend", None)
+    return backend is not None and "TRTLLM" in str(getattr(backend, "name", backend)).upper()
+
+
+@dataclass
+class _ModuleUnit:
+    name: str
+    module: torch.nn.Module
+    attrs: dict[str, str]  # attr -> engine param name
+    aliases: list[tuple[torch.nn.Module, str, str]]  # (module sharing a param, its attr, our attr)
+
+
+class VllmEngine(Engine):
+    """The live vLLM model of one worker (TP=1) as an mxrefit engine."""
+
+    def __init__(self, model: torch.nn.Module, vllm_config: Any, device: torch.device | str, *,
+                 experts: str = "per_expert", verify: bool | None = None):
+        check_vllm_version()
+        if experts not in EXPERT_LAYOUTS:
+            raise VllmSetupError(f"experts must be one of {EXPERT_LAYOUTS}, got {experts!r}")
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        if tp != 1 or vllm_config.parallel_config.pipeline_parallel_size != 1:
+            raise VllmSetupError(
+                f"this vLLM runs with tensor parallel size {tp} and pipeline parallel size "
+                f"{vllm_config.parallel_config.pipeline_parallel_size}; mxrefit's colocated transport serves one "
+                f"worker holding the whole model (TP=PP=1) — refit sharded engines with the broadcast transport"
+            )
+        self.model = model
+        self.model_config = vllm_config.model_config
+        self._device = torch.device(device)
+        self.verify = os.environ.get("MXREFIT_VERIFY") == "1" if verify is None else verify
+        self._verified = False
+        live = checkpoint_specs(model)
+        self.slow_path: list[str] = []
+        try:
+            shape = ModelShape.from_hf_config(self.model_config.hf_config, name=str(self.model_config.model))
+            params, dests, problems = _fast_tables(shape, live, experts)
+        except ValueError as err:
+            problems = [str(err)]
+        if problems:
+            params, dests = _fallback_tables(_manifest(self.model_config.model))
+            self.slow_path = list(params)
+            log.warning(
+                "mxrefit: %d parameters take vLLM's own loader (slow path): %s%s. Why: %s",
+                len(params), ", ".join(list(params)[:20]), " ..." if len(params) > 20 else "", "; ".join(problems[:5]))
+        self._params = params
+        self._destinations = dests
+        self.units = self._units(live)
+        self.pool = StagingPool(params, self.units, self._device)
+
+    # -- units: one per vLLM module (or one for the whole slow path) --
+    def _units(self, live: dict) -> list[StagedUnit]:
+        if self.slow_path:
+            return [StagedUnit("vllm-loader", tuple(self._params), self._load_with_vllm)]
+        modules = dict(self.model.named_modules())
+        by_module: dict[str, dict[str, str]] = {}
+        for name in self._params:
+            mname, _, attr = name.rpartition(".")
+            by_module.setdefault(mname, {})[attr] = name
+        kernel_param_owner = {}
+        for mname, module in modules.items():
+            for attr, p in module.named_parameters(recurse=False):
+                kernel_param_owner.setdefault(id(p), []).append((mname, attr))
+        units = []
+        for mname, attrs in by_module.items():
+            module = modules[mname]
+            aliases = []
+            for attr in attrs:
+                p = module._parameters.get(attr)
+                for other, other_attr in kernel_param_owner.get(id(p), []) if p is not None else []:
+                    if other != mname and other not in by_module:
+                        aliases.append((modules[other], other_attr, attr))
+            unit = _ModuleUnit(mname, module, attrs, aliases)
+            units.append(StagedUnit(mname, tuple(attrs.values()), lambda t, u=unit: self._process(u, t)))
+        return units
+
+    def _process(self, unit: _ModuleUnit, tensors: dict[str, torch.Tensor]) -> None:
+        staged = {attr: tensors[p] for attr, p in unit.attrs.items()}
+        module = unit.module
+        if _trtllm_moe(module):
+            self._trtllm_fast_path(module, staged)
+        elif _needs_vllm_processing(module):
+            _process_with_vllm(module, staged)
+        else:
+            for attr, t in staged.items():
+                getattr(module, attr).data.copy_(t)
+        for other, other_attr, attr in unit.aliases:
+            if _needs_vllm_processing(other):
+                _process_with_vllm(other, {other_attr: staged[attr]})
+
+    def _trtllm_fast_path(self, module: torch.nn.Module, staged: dict[str, torch.Tensor]) -> None:
+        from mxrefit.engines.trtllm import MoeLayout
+
+        gated = bool(getattr(module.moe_config, "is_act_and_mul", True))
+        want = None
+        if self.verify and not self._verified:
+            _process_with_vllm(module, staged)
+            want = {a: getattr(module, a).detach().clone() for a in staged}
+        for attr, t in staged.items():
+            e, m, k = t.shape
+            layout = MoeLayout(e, m, k, gated and attr.startswith("w13"), t.device, scales=attr.endswith("_scale"))
+            layout(t.view(torch.uint8) if t.dtype != torch.uint8 else t, getattr(module, attr).data.view(torch.uint8))
+        if want is not None:
+            bad = [a for a, w in want.items() if not torch.equal(w.view(torch.uint8), getattr(module, a).data.view(torch.uint8))]
+            if bad:
+                raise RuntimeError(f"MXREFIT_VERIFY: the TRT-LLM fast path differs from vLLM's processing for {bad}")
+            self._verified = True
+            log.info("MXREFIT_VERIFY: TRT-LLM fast path equals vLLM's processing byte for byte")
+
+    def _load_with_vllm(self, tensors: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+        self.model.load_weights(iter(tensors.items()))
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    # -- Engine --
+    def params(self) -> dict[str, ParamSpec]:
+        return dict(self._params)
+
+    def destinations(self) -> dict[str, Destination]:
+        return dict(self._destinations)
+
+    def prepare(self, plan) -> None:
+        self.pool.place(plan)
+
+    def storage(self, param: str) -> torch.Tensor:
+        return self.pool.storage(param)
+
+    def read(self, param: str) -> torch.Tensor:
+        """The live parameter's bytes, where vLLM serves it in the checkpoint's own shape and dtype.
+
+        Processed layouts (repacked, dequantized, prepacked) have no byte-for-byte counterpart
+        in the tables: those raise ValueError; check them through ``kernel_state`` instead.
+        """
+        mname, _, attr = param.rpartition(".")
+        live = self.model.get_submodule(mname)._parameters.get(attr)
+        spec = self._params[param]
+        if live is None or tuple(live.shape) != spec.shape or live.dtype != spec.dtype or not live.is_contiguous():
+            raise ValueError(f"{param}: vLLM serves it in a processed layout; no checkpoint bytes to read")
+        return live.detach().reshape(-1).view(torch.uint8)
+
+    def kernel_state(self, names: Iterable[str] | None = None) -> dict[str, dict]:
+        """sha256, shape and dtype of the live (kernel-format) parameters, for checks from outside."""
+        wanted = None if names is None else set(names)
+        out = {}
+        for name, p in self.model.named_parameters():
+            if wanted is not None and name not in wanted:
+                continue
+            data = p.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
+            out[name] = {"sha256": hashlib.sha256(data).hexdigest(), "shape": list(p.shape), "dtype": str(p.dtype)}
+        return out
+
+    def after_bucket(self, bucket: int) -> None:
+        with torch.no_grad():
+            self.pool.after_bucket(bucket)
+
+    @property
+    def exportable(self) -> bool:
+        return True
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+
+# ---- worker side plumbing -----------------------------------------------------------------
+class _WorkerRefit:
+    """A Receiver serving one vLLM worker's model; refits are served on the worker's thread."""
+
+    def __init__(self, worker: Any, *, address: str | None, token: bytes | None, experts: str,
+                 timeout_s: float, tcp: bool = False):
+        from mxrefit.receiver import Receiver
+
+        engine = VllmEngine(worker.model_runner.get_model(), worker.vllm_config, worker.device, experts=experts)
+        self.engine = engine
+        self.receiver = Receiver(engine, address=address, token=token, timeout_s=timeout_s, tcp=tcp)
+
+    def info(self) -> dict:
+        return {"address": self.receiver.address, "token": self.receiver.token.hex(),
+                "slow_path": len(self.engine.slow_path), **self.receiver.status()}
+
+    def receive(self, refits: int = 1) -> dict:
+        with torch.no_grad():
+            self.receiver.serve(refits=refits)
+        if self.engine.device.type == "cuda":
+            torch.cuda.synchronize(self.engine.device)
+        return self.info()
+
+    def close(self) -> None:
+        self.receiver.close()
+
+
+class RefitWorkerExtension:
+    """Mixed into vLLM's worker via ``worker_extension_cls``; call methods by name with
+    ``llm.collective_rpc("mxrefit_init", kwargs=...)`` etc. Plain data in and out."""
+
+    def mxrefit_init(self, address: str | None = None, token_hex: str | None = None, experts: str = "per_expert",
+                     timeout_s: float = 120.0, tcp: bool = False) -> dict:
+        """Build the engine tables and open the control socket; returns its address and token (hex)."""
+        if getattr(self, "_mxrefit", None) is not None:
+            self._mxrefit.close()
+        token = bytes.fromhex(token_hex) if token_hex else None
+        self._mxrefit = _WorkerRefit(self, address=address, token=token, experts=experts, timeout_s=timeout_s, tcp=tcp)
+        return self._mxrefit.info()
+
+    def mxrefit_receive(self, refits: int = 1) -> dict:
+        """Serve the trainer until ``refits`` refits ended (committed, aborted or failed)."""
+        return self._require().receive(refits)
+
+    def mxrefit_status(self) -> dict:
+        return self._require().info()
+
+    def mxrefit_kernel_state(self, names: list[str] | None = None) -> dict:
+        """{param: {sha256, shape, dtype}} of the live model as its kernels read it."""
+        return self._require().engine.kernel_state(names)
+
+    def mxrefit_close(self) -> None:
+        if getattr(self, "_mxrefit", None) is not None:
+            self._mxrefit.close()
+            self._mxrefit = None
+
+    def _require(self) -> _WorkerRefit:
+        if getattr(self, "_mxrefit", None) is None:
+            raise RuntimeError("call collective_rpc('mxrefit_init') first")
+        return self._mxrefit
+
+
+# ---- vLLM's weight-transfer API -----------------------------------------------------------
+def _engine_classes():
+    """The backend classes, defined only when vLLM imports (keeps this module importable without it)."""
+    from vllm.distributed.weight_transfer.base import (
+        TrainerInitInfo,
+        TrainerWeightTransferEngine,
+        WeightTransferEngine,
+        WeightTransferInitInfo,
+        WeightTransferUpdateInfo,
+    )
+
+    @dataclass
+    class MxrefitInitInfo(WeightTransferInitInfo):
+        """Worker side: where to listen and the session token (hex); the trainer makes both."""
+
+        address: str
+        token_hex: str
+        experts: str = "per_expert"
+        timeout_s: float = 120.0
+
+    @dataclass
+    class MxrefitUpdateInfo(WeightTransferUpdateInfo):
+        """Nothing per round: the plan and buffers travel on mxrefit's own control channel."""
+
+    class MxrefitWeightTransferEngine(WeightTransferEngine[MxrefitInitInfo, MxrefitUpdateInfo]):
+        init_info_cls = MxrefitInitInfo
+        update_info_cls = MxrefitUpdateInfo
+        supports_draft_weight_update = False
+
+        def init_transfer_engine(self, init_info: MxrefitInitInfo) -> None:
+            from mxrefit.receiver import Receiver
+
+            self.shutdown()
+            engine = VllmEngine(self.model, self.vllm_config, self.device, experts=init_info.experts)
+            self.receiver = Receiver(engine, address=init_info.address, token=bytes.fromhex(init_info.token_hex),
+                                     timeout_s=init_info.timeout_s)
+
+        def start_weight_update(self) -> None:
+            if getattr(self, "receiver", None) is None:
+                raise RuntimeError("init_weight_transfer_engine must run before start_weight_update")
+
+        def receive_weights(self, update_info: MxrefitUpdateInfo) -> None:
+            with torch.no_grad():
+                self.receiver.serve(refits=1)
+
+        def finish_weight_update(self) -> None:
+            status = self.receiver.status()
+            if status["state"] != "ready":
+                raise RuntimeError(f"mxrefit refit did not complete: engine holds version {status['version']}, "
+                                   f"state {status['state']}: {status['error']}")
+
+        def shutdown(self) -> None:
+            receiver = getattr(self, "receiver", None)
+            if receiver is not None:
+                receiver.close()
+                self.receiver = None
+
+    @dataclass
+    class MxrefitTrainerInitInfo(TrainerInitInfo):
+        """Trainer side: the device the trainer's tensors live on, bucket size, expert layout."""
+
+        backend: ClassVar[str] = BACKEND
+        device: str = "cpu"
+        bucket_bytes: int = 512 << 20
+        experts: str = "per_expert"
+        timeout_s: float = 120.0
+
+    class MxrefitTrainerEngine(TrainerWeightTransferEngine[MxrefitTrainerInitInfo]):
+        """Plans once from ``source.metadata()``, then each ``send_weights`` streams the source
+        (one tensor materialized at a time) while the workers serve ``update_weights``."""
+
+        init_info_cls = MxrefitTrainerInitInfo
+
+        @classmethod
+        def trainer_init(cls, init_info, *, client, source=None):
+            from mxrefit.plan import SourceSpec
+            from mxrefit.sender import Sender
+            from mxrefit.transport.control import new_token, private_ipc_address
+
+            if source is None:
+                raise ValueError("the mxrefit backend needs a WeightSource")
+            engine = cls(client=client, source=source, is_sender=init_info.is_sender)
+            engine.sender = None
+            if engine.is_sender:
+                address, token = private_ipc_address(), new_token()
+                client.init_weight_transfer_engine({"address": address, "token_hex": token.hex(),
+                                                    "experts": init_info.experts, "timeout_s": init_info.timeout_s})
+                engine.sender = Sender(address, token, device=init_info.device, bucket_bytes=init_info.bucket_bytes,
+                                       timeout_s=init_info.timeout_s)
+                engine.sender.plan([SourceSpec(m.name, tuple(m.shape), m.dtype) for m in source.metadata()])
+            return engine
+
+        def send_weights(self) -> None:
+            if not self.is_sender:
+                for _ in self.source:  # non-senders still run the source's collectives
+                    pass
+                return
+            self.client.start_weight_update()
+            self.last_report = refit_while(lambda: self.client.update_weights({}), self.sender, iter(self.source))
+            self.client.finish_weight_update()
+
+        def shutdown(self) -> None:
+            if getattr(self, "sender", None) is not None:
+                self.sender.close()
+
+    return MxrefitWeightTransferEngine, MxrefitTrainerEngine
+
+
+def refit_while(serve, sender, tensors):
+    """Run ``sender.refit(tensors)`` while ``serve()`` (a blocking call that makes the engine
+    serve one refit, e.g. ``llm.collective_rpc("mxrefit_receive")``) runs in a thread.
+
+    Returns the RefitReport; re-raises the first error of either side.
+    """
+    errors: list[BaseException] = []
+    result: list[Any] = []
+
+    def run():
+        try:
+            result.append(serve())
+        except BaseException as err:  # noqa: BLE001 - handed to the caller
+            errors.append(err)
+
+    thread = threading.Thread(target=run, name="mxrefit-serve", daemon=True)
+    thread.start()
+    try:
+        report = sender.refit(tensors)
+    finally:
+        thread.join(sender.timeout_s + 30)
+    if errors:
+        raise errors[0]
+    if thread.is_alive():
+        raise RuntimeError("the engine did not return from serving the refit")
+    return report
+
+
+class LLMClient:
+    """vLLM's ``VLLMWeightSyncClient`` protocol over an in-process ``vllm.LLM``."""
+
+    def __init__(self, llm: Any):
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: dict) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version)
+
+
+def _register_cpu_mxfp8_emulation() -> None:
+    """vLLM 0.32's CPU build registers no MXFP8 linear kernel; its emulation kernel works there."""
+    from vllm.platforms import PlatformEnum, current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.model_executor.kernels.linear import _POSSIBLE_MXFP8_KERNELS, register_linear_kernel
+    from vllm.model_executor.kernels.linear.mxfp8.emulation import EmulationMxfp8LinearKernel
+
+    if EmulationMxfp8LinearKernel not in _POSSIBLE_MXFP8_KERNELS.get(PlatformEnum.CPU, []):
+        register_linear_kernel(EmulationMxfp8LinearKernel, PlatformEnum.CPU, "mxfp8")
+
+
+_REGISTERED = False
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: the "mxrefit" weight-transfer backend (worker and
+    trainer factories) and, on CPU, the MXFP8 emulation linear kernel. Idempotent."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+    worker_cls, trainer_cls = _engine_classes()
+    globals()["MxrefitWeightTransferEngine"] = worker_cls
+    globals()["MxrefitTrainerEngine"] = trainer_cls
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, worker_cls)
+    if BACKEND not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine(BACKEND, trainer_cls)
+    _register_cpu_mxfp8_emulation()
+    _REGISTERED = True
+
+
+try:
+    register()
+except ImportError:  # vLLM not installed: the module still imports (docs, type checks)
+    pass
