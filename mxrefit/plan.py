@@ -101,6 +101,9 @@ def _check(sources: list[SourceSpec], params: dict[str, ParamSpec], destinations
     problems += [f"duplicate trainer tensor {n!r} ({c} times)" for n, c in counts.items() if c > 1]
     problems += [f"unexpected tensor {n!r}: the engine has no destination for it" for n in sorted(names - destinations.keys())]
     problems += [f"missing tensor {n!r}: the engine expects it and the trainer did not send it" for n in sorted(destinations.keys() - names)]
+    hint = _expert_layout_hint(names - destinations.keys(), destinations.keys() - names)
+    if hint:
+        problems.insert(0, hint)
     for src in sources:
         dest = destinations.get(src.name)
         if dest is None:
@@ -130,6 +133,19 @@ def _check(sources: list[SourceSpec], params: dict[str, ParamSpec], destinations
                 break
     if problems:
         raise PlanMismatch(problems)
+
+
+def _expert_layout_hint(unexpected: set[str], missing: set[str]) -> str | None:
+    """Name the usual cause when the two sides hold MoE experts in different layouts."""
+    grouped = lambda names: any(n.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")) for n in names)  # noqa: E731
+    per_expert = lambda names: any(".mlp.experts." in n and n.endswith("_proj.weight") for n in names)  # noqa: E731
+    if grouped(unexpected) and per_expert(missing):
+        return ("expert layout: the trainer sends grouped expert slabs (mlp.experts.gate_up_proj/down_proj) but the "
+                "engine expects per-expert names; build the engine with experts='grouped'")
+    if per_expert(unexpected) and grouped(missing):
+        return ("expert layout: the trainer sends per-expert names (mlp.experts.{e}.*_proj.weight) but the engine "
+                "expects grouped slabs; build the engine with experts='per_expert'")
+    return None
 
 
 def _layout(bucket: Bucket, sources_parts: dict[int, list[Target]], param_rank: dict[str, int]) -> None:

@@ -516,7 +516,7 @@ def _engine_classes():
                                                     "experts": init_info.experts, "timeout_s": init_info.timeout_s})
                 engine.sender = Sender(address, token, device=init_info.device, bucket_bytes=init_info.bucket_bytes,
                                        timeout_s=init_info.timeout_s)
-                engine.sender.plan([SourceSpec(m.name, tuple(m.shape), m.dtype) for m in source.metadata()])
+                engine.specs = [SourceSpec(m.name, tuple(m.shape), m.dtype) for m in source.metadata()]
             return engine
 
         def send_weights(self) -> None:
@@ -525,7 +525,8 @@ def _engine_classes():
                     pass
                 return
             self.client.start_weight_update()
-            self.last_report = refit_while(lambda: self.client.update_weights({}), self.sender, iter(self.source))
+            self.last_report = refit_while(lambda: self.client.update_weights({}), self.sender, iter(self.source),
+                                           specs=self.specs)
             self.client.finish_weight_update()
 
         def shutdown(self) -> None:
@@ -535,11 +536,12 @@ def _engine_classes():
     return MxrefitWeightTransferEngine, MxrefitTrainerEngine
 
 
-def refit_while(serve, sender, tensors):
+def refit_while(serve, sender, tensors, *, specs=None):
     """Run ``sender.refit(tensors)`` while ``serve()`` (a blocking call that makes the engine
     serve one refit, e.g. ``llm.collective_rpc("mxrefit_receive")``) runs in a thread.
 
-    Returns the RefitReport; re-raises the first error of either side.
+    The engine answers only while it serves, so a first refit plans here too (from ``specs``,
+    required for a stream). Returns the RefitReport; re-raises the first error of either side.
     """
     errors: list[BaseException] = []
     result: list[Any] = []
@@ -553,6 +555,8 @@ def refit_while(serve, sender, tensors):
     thread = threading.Thread(target=run, name="mxrefit-serve", daemon=True)
     thread.start()
     try:
+        if sender.plan_ is None and specs is not None:
+            sender.plan(specs)
         report = sender.refit(tensors)
     finally:
         thread.join(sender.timeout_s + 30)

