@@ -108,7 +108,8 @@ class OptimizerOffloader:
                 raise ValueError(f"{label} shares memory with parameter {param_storage[ptr]!r}; "
                                  "offloading it would free the parameter (the refit's source)")
             if not storage.resizable():
-                raise ValueError(f"{label} lives in memory torch cannot resize (e.g. from_blob/frombuffer); it cannot be offloaded")
+                raise ValueError(f"{label} lives in memory torch cannot resize (shared with numpy via .numpy(), or "
+                                 "made by from_blob/frombuffer); it cannot be offloaded")
             seen.add(ptr)
             found.append((label, storage))
             return True
