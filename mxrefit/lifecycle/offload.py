@@ -175,20 +175,18 @@ class OptimizerOffloader:
                 raise RuntimeError(f"a new gradient of {name!r} was written while the optimizer state was offloaded; "
                                    "refusing to overwrite it with the offloaded one")
         cuda = self._stream is not None
-        for m in self._moved:
-            m.storage.resize_(m.nbytes)
         current = torch.cuda.current_stream(self.device) if cuda else None
-        if cuda:
+        if cuda:  # blocks handed to the current stream may still be in use by work queued there
             self._stream.wait_stream(current)
-        with on_stream(self._stream):
-            for m in self._moved:
-                dst = storage_bytes(m.storage)
+        for m in self._moved:  # allocate, then copy at once: the transfers start while later blocks are allocated
+            m.storage.resize_(m.nbytes)  # outside the side stream: the block belongs to the stream that will use it
+            dst = storage_bytes(m.storage)
+            with on_stream(self._stream):
                 dst.copy_(self.arena.view(m.offset, m.nbytes), non_blocking=cuda)
-                if cuda:
-                    dst.record_stream(self._stream)
             if cuda:
-                self._done.record(self._stream)
+                dst.record_stream(self._stream)
         if cuda:
+            self._done.record(self._stream)
             current.wait_event(self._done)
         for _, p, grad in self._detached:
             p.grad = grad

@@ -64,10 +64,7 @@ class PhaseReport:
     refit: Any = None
 
     def as_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        if self.refit is not None and hasattr(self.refit, "__dataclass_fields__"):
-            out["refit"] = asdict(self.refit)
-        return out
+        return asdict(self)  # a dataclass refit report (RefitReport) becomes a nested dict
 
 
 @dataclass
