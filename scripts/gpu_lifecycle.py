@@ -148,11 +148,14 @@ def offload_bench(dev: torch.device, model: str, state_bytes: int, reps: int, bw
     del want
     _free(dev)
     nbytes = off.nbytes
+    _free(dev)
+    before_reps = torch.cuda.memory_allocated(dev) if cuda else 0
     offload_s, reload_s, release_s = [], [], []
     for _ in range(reps):
         offload_s.append(timed(dev, lambda: (off.offload(), off.wait(release=False))))
         release_s.append(timed(dev, torch.cuda.empty_cache if dev.type == "cuda" else (lambda: None)))
         reload_s.append(timed(dev, lambda: (off.reload(), off.wait())))
+    out["allocated_growth_bytes"] = (torch.cuda.memory_allocated(dev) - before_reps) if cuda else 0
     out.update(bytes=nbytes, arena_allocations=off.arena_allocations, offload_s=statistics.median(offload_s),
                reload_s=statistics.median(reload_s), release_s=statistics.median(release_s))
     out["offload_GBps"] = nbytes / out["offload_s"] / 1e9
@@ -212,13 +215,15 @@ def reference_bench(dev: torch.device, model: str, nbytes: int, reps: int, bw: d
     out["mismatched_out"] = sum(not torch.equal(a, b) for a, b in zip(live_list, original))
     del ref_list, ref, original
     _free(dev)
+    before_reps = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
     ins, outs = [], []
     for _ in range(reps + 1):
         ins.append(timed(dev, lambda: (swap.swap_in(), swap.wait())))
         outs.append(timed(dev, lambda: (swap.swap_out(), swap.wait())))
     n = swap.nbytes
     out.update(swap_in_s=statistics.median(ins[1:]), swap_out_s=statistics.median(outs[1:]),
-               pointers_kept=[t.data_ptr() for t in live_list] == ptrs)
+               pointers_kept=[t.data_ptr() for t in live_list] == ptrs,
+               allocated_growth_bytes=(torch.cuda.memory_allocated(dev) - before_reps) if dev.type == "cuda" else 0)
     serial_floor = n / (bw["d2h_GBps"] * 1e9) + n / (bw["h2d_GBps"] * 1e9)
     duplex_floor = n / (bw["both_GBps_per_direction"] * 1e9)
     out.update(swap_in_pct_of_serial_floor=100 * serial_floor / out["swap_in_s"],

@@ -19,6 +19,13 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.detach()
 
 
+def data_ptr(t: torch.Tensor) -> int:
+    """Address of the local memory, without building a tensor (cheap enough to check per swap)."""
+    if DTensor is not None and isinstance(t, DTensor):
+        return t._local_tensor.data_ptr()
+    return t.data_ptr()
+
+
 def storage_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     """All bytes of ``storage`` as a flat uint8 tensor on its device (no copy)."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)

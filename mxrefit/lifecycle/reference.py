@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
-from mxrefit.lifecycle._tensors import flat_bytes, local, on_stream
+from mxrefit.lifecycle._tensors import data_ptr, flat_bytes, local, on_stream
 from mxrefit.lifecycle.arena import DEFAULT_HEADROOM_BYTES, PinnedArena, aligned_layout, host_available_bytes
 
 DEFAULT_GROUP_BYTES = 256 << 20
@@ -113,7 +113,7 @@ class ReferenceSwap:
         return groups
 
     def _check_unmoved(self) -> None:
-        moved = [n for n, p, ptr in zip(self.names, self._params, self._ptrs) if local(p).data_ptr() != ptr]
+        moved = [n for n, p, ptr in zip(self.names, self._params, self._ptrs) if data_ptr(p) != ptr]
         if moved:
             raise RuntimeError(f"parameters {moved[:5]} were re-allocated since the swap was built; build a new ReferenceSwap")
 
