@@ -6,7 +6,9 @@ grad + exp_avg + exp_avg_sq, 6 bytes per parameter) come to ``state_bytes``: the
 trainer offloads to make room. Each step is one optimizer step, then the generation phase, then
 the training phase.
 
-Engine (another process): vLLM's MXFP8 layout behind a real ``Receiver``, and a KV-cache stand-in
+Engine (another process): vLLM's MXFP8 layout behind a real ``Receiver``, as ``mxrefit bench``'s
+prequant mode builds it (direct transport; with ``post="trtllm"`` brought into FlashInfer's
+TRT-LLM layout after every refit), and a KV-cache stand-in
 of ``kv_bytes`` that ``sleep`` frees and ``wake_up(["kv_cache"])`` allocates, so the engine really
 takes the memory the offload gave back. Its weights stay resident: vLLM's cumem unmap/remap of
 weights (and a level-1 sleep's weight backup) is not modeled, so ``wake_weights_s`` here is only
@@ -27,8 +29,9 @@ from typing import Any
 
 import torch
 
-from mxrefit.bench.run import _sample_check, make_weights
+from mxrefit.bench.run import POST, _sample_check, make_weights
 from mxrefit.engines.layout import LayoutEngine
+from mxrefit.engines.trtllm import vllm_mxfp8_units
 from mxrefit.engines.vllm_layout import vllm_destinations, vllm_params
 from mxrefit.lifecycle import OptimizerOffloader, prepare_for_generation, prepare_for_training
 from mxrefit.plan import SourceSpec
@@ -39,7 +42,7 @@ def _free_bytes(dev: torch.device) -> int:
     return torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else 0
 
 
-def _engine_main(conn, model: str, device: str, timeout_s: float, experts: str, kv_bytes: int) -> None:
+def _engine_main(conn, model: str, device: str, timeout_s: float, experts: str, post: str, kv_bytes: int) -> None:
     """Engine process: refits are served on a thread; sleep/wake_up arrive on the pipe."""
     from mxrefit.receiver import Receiver
 
@@ -47,7 +50,9 @@ def _engine_main(conn, model: str, device: str, timeout_s: float, experts: str, 
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     shape = BUILTIN[model]
-    engine = LayoutEngine(vllm_params(shape, mxfp8=True), vllm_destinations(shape, mxfp8=True, experts=experts), dev)
+    params = vllm_params(shape, mxfp8=True)
+    units, kernel = vllm_mxfp8_units(shape, params, dev) if post == "trtllm" else ((), {})
+    engine = LayoutEngine(params, vllm_destinations(shape, mxfp8=True, experts=experts), dev, units=units, kernel=kernel)
     receiver = Receiver(engine, timeout_s=timeout_s)
 
     def serve() -> None:
@@ -79,10 +84,11 @@ def _engine_main(conn, model: str, device: str, timeout_s: float, experts: str, 
 class EngineProcess:
     """Trainer-side handle with vLLM's ``sleep(level)`` / ``wake_up(tags) -> fully awake`` signatures."""
 
-    def __init__(self, model: str, device: torch.device, timeout_s: float, experts: str, kv_bytes: int):
+    def __init__(self, model: str, device: torch.device, timeout_s: float, experts: str, post: str, kv_bytes: int):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_engine_main, args=(child, model, str(device), timeout_s, experts, kv_bytes), daemon=True)
+        self.proc = ctx.Process(target=_engine_main, args=(child, model, str(device), timeout_s, experts, post, kv_bytes),
+                                daemon=True)
         self.proc.start()
         if not self.conn.poll(600):
             raise RuntimeError("the engine process did not start within 600 s")
@@ -148,10 +154,13 @@ def _medians(reports: list[dict]) -> dict[str, float]:
 
 def phase_bench(model: str = "tiny-qwen3-moe", device: str = "auto", *, steps: int = 3, warmup: int = 1,
                 state_bytes: int | None = None, kv_bytes: int | None = None, bucket_bytes: int = 512 << 20,
-                experts: str = "per_expert", timeout_s: float = 300.0, modes: tuple[str, ...] = ("overlap", "serial"),
-                seed: int = 0) -> dict[str, Any]:
+                experts: str = "per_expert", post: str = "trtllm", timeout_s: float = 300.0,
+                modes: tuple[str, ...] = ("overlap", "serial"), seed: int = 0) -> dict[str, Any]:
     """Run both phase modes on one engine process; one JSON-able object with every figure."""
     from mxrefit.sender import Sender
+
+    if post not in POST:
+        raise ValueError(f"post must be one of {POST}, got {post!r}")
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else torch.device(device)
     if dev.type == "cuda" and dev.index is None:
@@ -163,8 +172,8 @@ def phase_bench(model: str = "tiny-qwen3-moe", device: str = "auto", *, steps: i
     state_bytes = trainer_bytes // 8 if state_bytes is None else state_bytes
     opt, named = _slim_optimizer(weights, state_bytes, seed)
     offloader = OptimizerOffloader(opt, named_parameters=named)
-    engine = EngineProcess(model, dev, timeout_s, experts, kv_bytes if kv_bytes is not None else state_bytes)
-    out: dict[str, Any] = {"model": model, "device": str(dev), "tensors": len(specs), "trainer_bf16_bytes": trainer_bytes,
+    engine = EngineProcess(model, dev, timeout_s, experts, post, kv_bytes if kv_bytes is not None else state_bytes)
+    out: dict[str, Any] = {"model": model, "device": str(dev), "post": post, "tensors": len(specs), "trainer_bf16_bytes": trainer_bytes,
                            "optimizer_tensors": len(named), "kv_bytes": kv_bytes if kv_bytes is not None else state_bytes,
                            "steps": steps, "warmup": warmup, "modes": {}}
     try:
@@ -195,7 +204,8 @@ def phase_bench(model: str = "tiny-qwen3-moe", device: str = "auto", *, steps: i
                                   "free_bytes_when_awake": min(free), "per_step": {"generation": gens, "training": trains}}
         out["offload_bytes"] = offloader.nbytes
         out["arena_allocations"] = offloader.arena_allocations
-        out["check"] = _sample_check(sender, vllm_destinations(shape, mxfp8=True, experts=experts), weights)
+        out["transport"] = sender.transport
+        out["check"] = _sample_check(sender, shape, vllm_destinations(shape, mxfp8=True, experts=experts), weights, post)
         sender.close(shutdown_engine=True)
     finally:
         engine.stop()
