@@ -19,6 +19,13 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.detach()
 
 
+def local_storage(t: torch.Tensor) -> torch.UntypedStorage:
+    """The storage of ``local(t)``, without building a tensor (called per state tensor per offload)."""
+    if DTensor is not None and isinstance(t, DTensor):
+        return t._local_tensor.untyped_storage()
+    return t.untyped_storage()
+
+
 def data_ptr(t: torch.Tensor) -> int:
     """Address of the local memory, without building a tensor (cheap enough to check per swap)."""
     if DTensor is not None and isinstance(t, DTensor):

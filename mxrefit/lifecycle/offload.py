@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mxrefit.lifecycle._tensors import local, on_stream, storage_bytes
+from mxrefit.lifecycle._tensors import local_storage, on_stream, storage_bytes
 from mxrefit.lifecycle.arena import DEFAULT_HEADROOM_BYTES, PinnedArena, aligned_layout, host_available_bytes
 
 
@@ -73,7 +73,9 @@ class OptimizerOffloader:
         self.names = []
         for gi, group in enumerate(optimizer.param_groups):
             self.names += [given.get(id(p), f"param_groups[{gi}][{pi}]") for pi, p in enumerate(group["params"])]
-        self.device = torch.device(device) if device is not None else local(self.params[0]).device
+        self.device = torch.device(device) if device is not None else self.params[0].device
+        if self.device.type == "cuda" and self.device.index is None:  # compared with tensors' devices, which carry one
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.available = available
         self.headroom_bytes = headroom_bytes
         self.arena: PinnedArena | None = None
@@ -92,15 +94,14 @@ class OptimizerOffloader:
             raise RuntimeError("the optimizer's state is offloaded to host memory; call reload() before step()")
 
     def _collect(self) -> tuple[list[tuple[str, torch.UntypedStorage]], list[tuple[str, torch.Tensor, torch.Tensor]]]:
-        param_storage = {local(p).untyped_storage().data_ptr(): n for n, p in zip(self.names, self.params)}
+        param_storage = {local_storage(p).data_ptr(): n for n, p in zip(self.names, self.params)}
         seen: set[int] = set()
         found: list[tuple[str, torch.UntypedStorage]] = []
 
         def add(label: str, t: torch.Tensor) -> bool:
-            shard = local(t)
-            if shard.device != self.device:
+            if t.device != self.device:  # a DTensor's device is its local shard's
                 return False
-            storage = shard.untyped_storage()
+            storage = local_storage(t)
             ptr = storage.data_ptr()
             if storage.nbytes() == 0 or ptr in seen:
                 return True
