@@ -12,7 +12,9 @@ With ``overlap=True`` (default) the offload copies run during 2-3, on their own 
 assumes the engine's weights fit beside the trainer's optimizer state and only the KV cache needs
 the room the offload makes, which is the case the slim offload is for. ``overlap=False`` finishes
 the offload (4) before the engine wakes. ``prepare_for_training`` is the inverse: the engine sleeps,
-then the optimizer state is reloaded.
+then the optimizer state is reloaded. If a part raises (a refused refit, say), the phase stops
+there and re-raises; the offloader stays consistent (``reload()`` is queued after any copy still
+in flight), so the caller can bring the state back and retry.
 
 The engine is anything with ``sleep(level)`` and ``wake_up(tags)``: vLLM's ``LLM`` (0.32:
 ``sleep(level=1, mode="abort")``, ``wake_up(tags=None) -> bool`` where the bool says whether the
