@@ -3,7 +3,6 @@ a real two-process refit. Pinned memory itself is exercised on the H200 (scripts
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import re
 
