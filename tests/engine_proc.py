@@ -41,7 +41,7 @@ def dying_trainer(address: str, token: bytes, model: str, die_after_acks: int) -
     sender.refit(dict(module.named_parameters()))
 
 
-def serve_layout(conn, shape, post: bool, timeout_s: float, experts: str = "per_expert") -> None:
+def serve_layout(conn, shape, post: bool, timeout_s: float, experts: str = "per_expert", device: str = "cpu") -> None:
     """An engine process holding vLLM's MXFP8 layout of ``shape`` in exportable memory
     (direct writes), optionally post-processed into the TRT-LLM kernel layout."""
     from mxrefit.engines.layout import LayoutEngine
@@ -50,9 +50,12 @@ def serve_layout(conn, shape, post: bool, timeout_s: float, experts: str = "per_
     from mxrefit.receiver import Receiver
 
     logging.basicConfig(level=logging.INFO)
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
     params = vllm_params(shape, mxfp8=True)
-    units, kernel = vllm_mxfp8_units(shape, params, torch.device("cpu")) if post else ((), {})
-    engine = LayoutEngine(params, vllm_destinations(shape, mxfp8=True, experts=experts), "cpu", units=units, kernel=kernel)
+    units, kernel = vllm_mxfp8_units(shape, params, dev) if post else ((), {})
+    engine = LayoutEngine(params, vllm_destinations(shape, mxfp8=True, experts=experts), dev, units=units, kernel=kernel)
     receiver = Receiver(engine, timeout_s=timeout_s)
     conn.send({"address": receiver.address, "token": receiver.token})
     try:

@@ -29,9 +29,9 @@ SHAPE = replace(BUILTIN["tiny-qwen3-moe"], layers=4, vocab=512)  # buckets span 
 
 
 class LayoutEngineProc:
-    def __init__(self, post: bool = True, timeout_s: float = 20.0):
+    def __init__(self, post: bool = True, timeout_s: float = 20.0, device: str = "cpu"):
         self.conn, child = CTX.Pipe()
-        self.proc = CTX.Process(target=serve_layout, args=(child, SHAPE, post, timeout_s), daemon=True)
+        self.proc = CTX.Process(target=serve_layout, args=(child, SHAPE, post, timeout_s, "per_expert", device), daemon=True)
         self.proc.start()
         assert self.conn.poll(120), "engine did not start"
         hello = self.conn.recv()
@@ -47,9 +47,9 @@ class LayoutEngineProc:
         return final
 
 
-def _weights(seed: int) -> dict[str, torch.Tensor]:
+def _weights(seed: int, device: str = "cpu") -> dict[str, torch.Tensor]:
     specs = [SourceSpec(n, s, dt) for n, s, dt in hf_tensor_specs(SHAPE)]
-    return make_weights(specs, torch.device("cpu"), seed=seed)
+    return make_weights(specs, torch.device(device), seed=seed)
 
 
 def _sha(t: torch.Tensor) -> str:
@@ -69,6 +69,26 @@ def mismatched_params(sender: Sender, weights: dict[str, torch.Tensor], post: bo
         want.append(_sha(expected))
     got = sender.client.request({"op": "checksum", "ranges": ranges}, 30, step="checksums")["sha256"]
     return [r[0] for r, g, w in zip(ranges, got, want) if g != w]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC direct writes need a GPU")
+@pytest.mark.parametrize("post", [True, False], ids=["trtllm", "plain"])
+def test_cuda_direct_refits_land_exactly(post):
+    engine = LayoutEngineProc(post=post, device="cuda")
+    sender = Sender(engine.address, engine.token, bucket_bytes=96 << 10, device="cuda")
+    try:
+        for step, seed in enumerate((1, 2, 3)):
+            weights = _weights(seed, "cuda")
+            report = sender.refit(weights)
+            assert report.transport == "direct" and report.version == step + 1
+            assert mismatched_params(sender, {n: t.cpu() for n, t in weights.items()}, post) == []
+        bad = _weights(4, "cuda")
+        next(iter(bad.values())).view(-1)[7] = float("nan")
+        with pytest.raises(ValueError, match="NaN or Inf; nothing was sent"):
+            sender.refit(bad)
+        assert sender.status() == {"version": 3, "state": "ready", "error": None}
+    finally:
+        engine.stop(sender)
 
 
 @pytest.mark.parametrize("post", [True, False], ids=["trtllm", "plain"])

@@ -265,6 +265,16 @@ class VllmEngine(Engine):
         units = []
         for mname, attrs in by_module.items():
             module = modules[mname]
+            if _trtllm_moe(module):
+                from mxrefit.engines.trtllm import check_moe_alignment
+
+                for attr, name in attrs.items():
+                    if not attr.endswith("_scale"):
+                        spec = self._params[name]
+                        try:
+                            check_moe_alignment(name, spec.shape[1], spec.shape[2])
+                        except ValueError as err:
+                            raise VllmSetupError(str(err)) from None
             aliases = []
             for attr in attrs:
                 p = module._parameters.get(attr)
