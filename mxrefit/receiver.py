@@ -198,6 +198,8 @@ class Receiver:
                     stats.apply_s += time.perf_counter() - t
                     t = time.perf_counter()
                     self.engine.after_bucket(expected)
+                    if self.engine.device.type == "cuda":  # "applied" frees the bucket's staging for the trainer
+                        torch.cuda.current_stream(self.engine.device).synchronize()
                     stats.process_s += time.perf_counter() - t
                     stats.bytes += self._appliers[expected].nbytes
                     stats.buckets += 1

@@ -1,10 +1,27 @@
 #!/usr/bin/env bash
-# H200 run for the refit core: CUDA IPC tests, then `mxrefit bench` on the tiny default and on
-# qwen3-30b-a3b (exact shapes), JSON + plots into $OUT. Needs pyzmq carried as a wheel in .whl/.
+# H200 run for the refit path, through the device tool with .whl/ (pyzmq) carried.
+#   PART=tests|30b|more   (default: all, which needs more than one 10-minute call)
+# tests: CUDA-only tests (IPC buffers, direct writes, finite-check kernel) + the tiny model bench
+# 30b:   qwen3-30b-a3b exact shapes, baseline vs prequant (direct) vs prequant-buffers, TRT-LLM post-process
+# more:  qwen3-32b and qwen3-235b-a22b-ep8 (baseline vs prequant), and a layer sweep of qwen3-30b-a3b
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 export PYTHONUNBUFFERED=1
+PART=${PART:-all}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-python3 -m pytest -q -p no:cacheprovider tests/test_buffers.py -k cuda 2>&1 | tail -5
-python3 -m mxrefit bench --device cuda --steps 5 --no-progress --json $OUT/bench_tiny_cuda.json
-python3 -m mxrefit bench --model qwen3-30b-a3b --device cuda --steps ${STEPS:-3} --bucket-mb ${BUCKET_MB:-512} --no-progress --json $OUT/bench_30b.json --plot $OUT/bench_30b.png
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+bench() { python3 -m mxrefit bench --device cuda --no-progress "$@"; }
+if [[ $PART == all || $PART == tests ]]; then
+  python3 -m pytest -q -p no:cacheprovider tests/test_buffers.py tests/test_direct.py tests/test_finite_check.py -k cuda 2>&1 | tail -5
+  bench --steps 5 --mode all --json $OUT/bench_tiny_cuda.json
+fi
+if [[ $PART == all || $PART == 30b ]]; then
+  bench --model qwen3-30b-a3b --steps ${STEPS:-3} --bucket-mb ${BUCKET_MB:-512} --mode all --json $OUT/bench_30b.json --plot $OUT/bench_30b.png
+fi
+if [[ $PART == all || $PART == more ]]; then
+  bench --model qwen3-32b --steps 3 --json $OUT/bench_32b.json --plot $OUT/bench_32b.png
+  bench --model qwen3-235b-a22b-ep8 --steps 3 --json $OUT/bench_235b_ep8.json --plot $OUT/bench_235b_ep8.png
+  for L in 6 12 24; do
+    bench --model qwen3-30b-a3b --layers $L --steps 3 --mode prequant --json $OUT/sweep_30b_${L}l.json
+  done
+fi

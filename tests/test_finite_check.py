@@ -80,3 +80,15 @@ def test_triton_kernel_under_the_interpreter_agrees():
     run = subprocess.run([sys.executable, "-c", _INTERPRETED, os.path.dirname(__file__)], env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and "ok" in run.stdout, run.stdout[-2000:] + run.stderr[-3000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernel needs a GPU")
+def test_triton_kernel_on_the_gpu_agrees():
+    ts = [t.cuda() for t in _tensors(0)]
+    check = FiniteCheck([(tuple(t.shape), t.dtype) for t in ts], "cuda")
+    assert len(check._groups) == 3 and check._rest == []
+
+    def first_bad(tensors):
+        return check.first_bad([t.cuda() for t in tensors])
+
+    _check_all(first_bad)
