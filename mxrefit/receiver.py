@@ -4,6 +4,13 @@ The engine holds ``version`` (the last complete refit) and ``state``: ``ready`` 
 weights are exactly that version, ``partial`` when a later refit wrote some buckets and did
 not finish (a failed or interrupted refit). A partial engine says so on every status call;
 the next complete refit repairs it.
+
+``transactional=True`` lands every refit in a shadow copy of the engine's storage and touches
+the engine only at commit, once every bucket arrived (and, with the trainer's ``verify``,
+passed its integrity sums): a failed refit then leaves the previous version serving, still
+``ready``. Commit writes in place, bucket by bucket with the engine's usual processing, so
+parameter addresses (and captured CUDA graphs) stay valid. Its price is the shadow's memory
+(the engine's whole storage) and one more copy per refit.
 """
 
 from __future__ import annotations
@@ -15,11 +22,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mxrefit.bytesum import ByteSum
 from mxrefit.engines.base import Engine
-from mxrefit.plan import PlanMismatch, RefitPlan, build_plan, sources_from_msg, tables_to_msg
+from mxrefit.plan import PlanMismatch, RefitPlan, align, build_plan, sources_from_msg, tables_to_msg
 from mxrefit.transport.buffers import OpenedBuffers, open_buffers
-from mxrefit.transport.control import ControlServer, PeerTimeout
-from mxrefit.transport.exports import export_tensors
+from mxrefit.transport.control import ControlError, ControlServer, PeerTimeout
+from mxrefit.transport.exports import allocate, export_tensors
 
 log = logging.getLogger("mxrefit.receiver")
 
@@ -45,6 +53,16 @@ class _Applier:
     dsts: list[torch.Tensor] = field(default_factory=list)
     nbytes: int = 0
 
+    @classmethod
+    def runs(cls, runs, src_of, dst: dict[str, torch.Tensor]) -> "_Applier":
+        """Copies of ``runs`` from ``src_of(run)`` into the run's range of ``dst[param]``."""
+        app = cls()
+        for r in runs:
+            app.srcs.append(src_of(r))
+            app.dsts.append(dst[r.param][r.param_offset : r.param_offset + r.nbytes])
+            app.nbytes += r.nbytes
+        return app
+
     def __call__(self) -> None:
         if not self.srcs:
             return
@@ -56,8 +74,10 @@ class _Applier:
 
 
 class Receiver:
-    def __init__(self, engine: Engine, *, address: str | None = None, token: bytes | None = None, tcp: bool = False, timeout_s: float = 60.0):
+    def __init__(self, engine: Engine, *, address: str | None = None, token: bytes | None = None, tcp: bool = False,
+                 timeout_s: float = 60.0, transactional: bool = False):
         self.engine = engine
+        self.transactional = transactional
         self.timeout_s = timeout_s
         self.server = ControlServer(address, token=token, tcp=tcp)
         self.version = 0
@@ -69,6 +89,9 @@ class Receiver:
         self._plan: RefitPlan | None = None
         self._buffers: OpenedBuffers | None = None
         self._appliers: list[_Applier] = []
+        self._commits: list[_Applier] = []
+        self._sums: list[ByteSum] = []
+        self._shadow: torch.Tensor | None = None
 
     @property
     def address(self) -> str:
@@ -89,7 +112,7 @@ class Receiver:
             msg = self.server.recv(idle_timeout_s, step="waiting for the next refit")
             op = msg.get("op")
             if op == "shutdown":
-                self.server.send({"op": "bye", **self.status()})
+                self._reply({"op": "bye", **self.status()})
                 return
             if op == "begin":
                 self._refit(msg)
@@ -100,7 +123,7 @@ class Receiver:
     def _answer_setup(self, msg: dict) -> None:
         op = msg.get("op")
         if op == "hello":
-            self.server.send({"op": "tables", **tables_to_msg(self._params, self._destinations), **self.status(),
+            self._reply({"op": "tables", **tables_to_msg(self._params, self._destinations), **self.status(),
                               "exportable": bool(self.engine.exportable), "device": self.engine.device.type})
         elif op == "plan":
             try:
@@ -112,15 +135,15 @@ class Receiver:
                     problems = [str(err)]
                 else:
                     problems = [f"malformed plan message ({type(err).__name__}: {err})"]
-                self.server.send({"op": "error", "kind": "plan_mismatch", "problems": problems})
+                self._reply({"op": "error", "kind": "plan_mismatch", "problems": problems})
             else:
-                self.server.send(reply)
+                self._reply(reply)
         elif op == "status":
-            self.server.send({"op": "status", **self.status()})
+            self._reply({"op": "status", **self.status()})
         elif op == "checksum":
-            self.server.send({"op": "checksum", "sha256": self._checksums(msg.get("ranges", []))})
+            self._reply({"op": "checksum", "sha256": self._checksums(msg.get("ranges", []))})
         else:
-            self.server.send({"op": "error", "kind": "protocol", "problems": [f"unexpected op {op!r} between refits"]})
+            self._reply({"op": "error", "kind": "protocol", "problems": [f"unexpected op {op!r} between refits"]})
 
     def _adopt_plan(self, msg: dict) -> dict:
         """Check the trainer's plan against our own, then wire the data path; returns the reply."""
@@ -135,30 +158,42 @@ class Receiver:
         self._plan = None
         self.engine.prepare(plan)
         storage = {name: self.engine.storage(name) for name in self._params}
-        self._appliers = []
+        landing = self._shadow_of(storage) if self.transactional else storage
         reply: dict = {"op": "planned", "digest": plan.digest}
         if transport == "direct":
             if not self.engine.exportable:
                 raise ValueError(f"this engine ({type(self.engine).__name__}) cannot export its storage; use buffers")
-            reply["exports"] = export_tensors(storage)
+            reply["exports"] = export_tensors(landing)
             self._appliers = [_Applier(nbytes=sum(r.nbytes for r in b.runs)) for b in plan.buckets]
         else:
             self._buffers = open_buffers(msg["buffers"], self.engine.device)
             bufs = self._buffers.buffers
             if len(bufs) != plan.slots or any(b.numel() < plan.bucket_bytes for b in bufs):
                 raise ValueError(f"trainer offered {len(bufs)} buffers, the plan needs {plan.slots} of {plan.bucket_bytes} bytes")
-            for bucket in plan.buckets:
-                app = _Applier()
-                for r in bucket.runs:
-                    app.srcs.append(bufs[bucket.slot][r.offset : r.offset + r.nbytes])
-                    app.dsts.append(storage[r.param][r.param_offset : r.param_offset + r.nbytes])
-                    app.nbytes += r.nbytes
-                self._appliers.append(app)
+            self._appliers = [_Applier.runs(b.runs, lambda r, b=b: bufs[b.slot][r.offset : r.offset + r.nbytes], landing)
+                              for b in plan.buckets]
+        if self.transactional:
+            self._commits = [_Applier.runs(b.runs, lambda r: landing[r.param][r.param_offset : r.param_offset + r.nbytes], storage)
+                             for b in plan.buckets]
+        if msg.get("verify"):
+            self._sums = [ByteSum([landing[r.param][r.param_offset : r.param_offset + r.nbytes] for r in b.runs])
+                          for b in plan.buckets]
         self._plan = plan
         return reply
 
+    def _shadow_of(self, storage: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One exportable arena laid out like the engine's storage (reused across plans when it fits)."""
+        offsets, total = {}, 0
+        for name, t in storage.items():
+            offsets[name] = total
+            total = align(total + t.numel())
+        if self._shadow is None or self._shadow.numel() < total:
+            self._shadow = None
+            self._shadow = allocate(max(total, 1), self.engine.device)
+        return {name: self._shadow[offsets[name] : offsets[name] + t.numel()] for name, t in storage.items()}
+
     def _release_data_path(self) -> None:
-        self._appliers = []
+        self._appliers, self._commits, self._sums = [], [], []
         if self._buffers is not None:
             self._buffers.close()
             self._buffers = None
@@ -173,9 +208,9 @@ class Receiver:
         elif version <= self.version:
             problem = f"stale or duplicate version {version}: the engine already holds version {self.version}"
         if problem:
-            self.server.send({"op": "error", "kind": "refused", "problems": [problem], **self.status()})
+            self._reply({"op": "error", "kind": "refused", "problems": [problem], **self.status()})
             return
-        self.server.send({"op": "begun", "version": version})
+        self._reply({"op": "begun", "version": version})
         stats = ReceiveStats(version)
         start = time.perf_counter()
         expected = 0
@@ -186,49 +221,89 @@ class Receiver:
                 msg = self.server.recv(left, step=f"refit to version {version}, waiting for bucket {expected}")
                 op = msg.get("op")
                 if op == "status":  # any token holder may ask; it does not extend the trainer's deadline
-                    self.server.send({"op": "status", **self.status()})
+                    self._reply({"op": "status", **self.status()})
                     continue
                 deadline = time.monotonic() + self.timeout_s
                 if op == "ready" and int(msg.get("bucket", -1)) == expected and int(msg.get("version", -1)) == version:
                     t = time.perf_counter()
-                    self.state = "partial"
+                    if not self.transactional:
+                        self.state = "partial"
                     self._appliers[expected]()
-                    if self.engine.device.type == "cuda":
-                        torch.cuda.current_stream(self.engine.device).synchronize()
+                    self._sync()
                     stats.apply_s += time.perf_counter() - t
+                    mismatch = self._verify(expected, msg.get("sum"))
+                    if mismatch:
+                        self._fail(f"refit to version {version}: {mismatch}")
+                        self._reply({"op": "error", "kind": "integrity", "problems": [self.last_error], **self.status()})
+                        return
                     t = time.perf_counter()
-                    self.engine.after_bucket(expected)
-                    if self.engine.device.type == "cuda":  # "applied" frees the bucket's staging for the trainer
-                        torch.cuda.current_stream(self.engine.device).synchronize()
+                    if not self.transactional:
+                        self.engine.after_bucket(expected)
+                        self._sync()  # "applied" frees the bucket's staging for the trainer
                     stats.process_s += time.perf_counter() - t
                     stats.bytes += self._appliers[expected].nbytes
                     stats.buckets += 1
                     expected += 1
-                    self.server.send({"op": "applied", "bucket": expected - 1})
+                    self._reply({"op": "applied", "bucket": expected - 1})
                 elif op == "commit" and int(msg.get("version", -1)) == version and expected == len(self._appliers):
                     t = time.perf_counter()
+                    if self.transactional:
+                        self._commit_shadow(stats)
                     self.engine.after_refit(version)
                     stats.after_refit_s = time.perf_counter() - t
                     self.version, self.state, self.last_error = version, "ready", None
                     stats.wall_s = time.perf_counter() - start
                     self.history.append(stats)
-                    self.server.send({"op": "committed", **self.status(), "apply_s": stats.apply_s,
+                    self._reply({"op": "committed", **self.status(), "apply_s": stats.apply_s,
                                       "process_s": stats.process_s, "after_refit_s": stats.after_refit_s})
                     return
                 elif op == "abort":
                     self._fail(f"trainer aborted the refit to version {version}: {msg.get('why', '')}")
-                    self.server.send({"op": "aborted", **self.status()})
+                    self._reply({"op": "aborted", **self.status()})
                     return
                 else:
                     got = {k: msg.get(k) for k in ("op", "version", "bucket")}
                     self._fail(f"refit to version {version}: expected bucket {expected} or commit, got {got}")
-                    self.server.send({"op": "error", "kind": "protocol", "problems": [self.last_error], **self.status()})
+                    self._reply({"op": "error", "kind": "protocol", "problems": [self.last_error], **self.status()})
                     return
         except PeerTimeout:
             self._fail(
                 f"refit to version {version} interrupted: no bucket {expected} of {len(self._appliers)} from the "
                 f"trainer at {self.address} within the {self.timeout_s:g} s timeout"
             )
+
+    def _reply(self, msg: dict) -> None:
+        """Answer the trainer; a trainer that already went away is logged, never fatal here."""
+        try:
+            self.server.send(msg)
+        except ControlError as err:
+            log.warning("could not answer %r: %s", msg.get("op"), err)
+
+    def _sync(self) -> None:
+        if self.engine.device.type == "cuda":
+            torch.cuda.current_stream(self.engine.device).synchronize()
+
+    def _verify(self, bucket: int, claimed) -> str | None:
+        """Compare the bucket's landed bytes with the trainer's sums; a message if they differ."""
+        if not self._sums:
+            return None
+        got = list(self._sums[bucket]())
+        if not isinstance(claimed, list) or [int(x) for x in claimed] != got:
+            return f"bucket {bucket} failed its integrity check (trainer sums {claimed}, engine sums {got})"
+        return None
+
+    def _commit_shadow(self, stats: ReceiveStats) -> None:
+        """Copy the complete shadow into the engine bucket by bucket, processing as usual."""
+        self.state = "partial"
+        for bucket, commit in enumerate(self._commits):
+            t = time.perf_counter()
+            commit()
+            self._sync()
+            stats.apply_s += time.perf_counter() - t
+            t = time.perf_counter()
+            self.engine.after_bucket(bucket)
+            self._sync()
+            stats.process_s += time.perf_counter() - t
 
     def _checksums(self, ranges: list) -> list[str | None]:
         """sha256 of the engine's served bytes [offset, offset+n) of each named parameter (None if out of

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mxrefit.bytesum import ByteSum
 from mxrefit.finite_check import FiniteCheck
 from mxrefit.formats import get_format, mxfp8
 from mxrefit.plan import DEFAULT_BUCKET_BYTES, PlanMismatch, RefitPlan, SourceSpec, build_plan, sources_to_msg, tables_from_msg
@@ -86,7 +87,10 @@ class Sender:
         transport: str | None = None,
         timeout_s: float = 60.0,
         check_finite: bool = True,
+        verify: bool = False,
     ):
+        """``verify``: per-bucket integrity sums (``mxrefit.bytesum``) checked by the engine
+        before it applies a bucket; a mismatch fails the refit with the bucket named."""
         if transport is not None and transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS} or None, got {transport!r}")
         self.device = torch.device(device)
@@ -96,6 +100,7 @@ class Sender:
         self.transport = ""
         self.timeout_s = timeout_s
         self.check_finite = check_finite
+        self.verify = verify
         self.client = ControlClient(address, token)
         self.address = address
         self.plan_: RefitPlan | None = None
@@ -144,7 +149,7 @@ class Sender:
         plan = build_plan(list(specs), params, destinations, bucket_bytes=self.bucket_bytes, slots=self.slots)
         transport = self._choose_transport()
         msg = {"op": "plan", "sources": sources_to_msg(plan.sources), "bucket_bytes": plan.bucket_bytes,
-               "slots": plan.slots, "digest": plan.digest}
+               "slots": plan.slots, "digest": plan.digest, "verify": self.verify}
         self._close_data_path(keep_buffers=transport != "direct")
         if transport == "direct":
             msg["transport"] = "direct"
@@ -169,6 +174,12 @@ class Sender:
         if self.buffers is not None and not keep_buffers:
             self.buffers.close()
             self.buffers = None
+
+    def _run_view(self, bucket, run) -> torch.Tensor:
+        """The bytes this side writes for one run of a bucket (flat uint8)."""
+        if self.transport == "direct":
+            return self.exports.tensors[run.param][run.param_offset : run.param_offset + run.nbytes]
+        return self.buffers.buffers[bucket.slot][run.offset : run.offset + run.nbytes]
 
     def _part_view(self, plan: RefitPlan, bucket, part) -> torch.Tensor:
         t = part.target
@@ -195,6 +206,7 @@ class Sender:
                 encs.append((idx, get_format(fmt_name).encoder(specs, outs)))
             self._bucket_encoders.append(encs)
         self._bad = torch.full((1,), _NO_BAD, dtype=torch.int32, device=self.device)
+        self._sums = [ByteSum([self._run_view(b, r) for r in b.runs]) for b in plan.buckets] if self.verify else []
         self._finite: FiniteCheck | None = None
         self._bucket_checks: dict[int, FiniteCheck] = {}
 
@@ -292,7 +304,7 @@ class Sender:
                 if streaming:
                     for i in b.sources:
                         srcs[i] = None
-                self.client.send({"op": "ready", "version": version, "bucket": b.index})
+                self.client.send(self._ready(b, version))
             while acked < len(plan.buckets):
                 acked = self._await_applied(acked, version, report)
             reply = self._request({"op": "commit", "version": version}, f"committing refit {version}")
@@ -306,6 +318,13 @@ class Sender:
         report.buckets = len(plan.buckets)
         report.total_s = time.perf_counter() - t0
         return report
+
+    def _ready(self, bucket, version: int) -> dict:
+        """The bucket's "ready" message, with its integrity sums when verifying."""
+        ready = {"op": "ready", "version": version, "bucket": bucket.index}
+        if self._sums:
+            ready["sum"] = list(self._sums[bucket.index]())
+        return ready
 
     def _screen(self, srcs: list[torch.Tensor]) -> None:
         """Raise NonFiniteError naming the first tensor holding NaN/Inf (nothing written yet)."""

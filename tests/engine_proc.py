@@ -7,14 +7,14 @@ import logging
 import torch
 
 
-def serve_tiny(conn, model: str, mxfp8: bool, timeout_s: float, tcp: bool = False) -> None:
+def serve_tiny(conn, model: str, mxfp8: bool, timeout_s: float, tcp: bool = False, transactional: bool = False) -> None:
     import models
     from mxrefit.engines.torch import TorchEngine
     from mxrefit.receiver import Receiver
 
     logging.basicConfig(level=logging.INFO)
     module = models.tiny_llama(seed=1) if model == "llama" else models.tiny_qwen3_moe(seed=1)
-    receiver = Receiver(TorchEngine(module, mxfp8=mxfp8), timeout_s=timeout_s, tcp=tcp)
+    receiver = Receiver(TorchEngine(module, mxfp8=mxfp8), timeout_s=timeout_s, tcp=tcp, transactional=transactional)
     conn.send({"address": receiver.address, "token": receiver.token})
     try:
         receiver.serve()
@@ -23,7 +23,7 @@ def serve_tiny(conn, model: str, mxfp8: bool, timeout_s: float, tcp: bool = Fals
         conn.send(receiver.status())
 
 
-def dying_trainer(address: str, token: bytes, model: str, die_after_acks: int) -> None:
+def dying_trainer(address: str, token: bytes, model: str, die_after_acks: int, transport: str | None = None) -> None:
     """Plans, starts a refit, and exits abruptly once ``die_after_acks`` buckets were applied."""
     import os
 
@@ -37,11 +37,12 @@ def dying_trainer(address: str, token: bytes, model: str, die_after_acks: int) -
             return super()._await_applied(acked, version, report)
 
     module = models.tiny_llama(seed=5) if model == "llama" else models.tiny_qwen3_moe(seed=5)
-    sender = DyingSender(address, token, bucket_bytes=16 << 10)
+    sender = DyingSender(address, token, bucket_bytes=16 << 10, transport=transport)
     sender.refit(dict(module.named_parameters()))
 
 
-def serve_layout(conn, shape, post: bool, timeout_s: float, experts: str = "per_expert", device: str = "cpu") -> None:
+def serve_layout(conn, shape, post: bool, timeout_s: float, experts: str = "per_expert", device: str = "cpu",
+                 transactional: bool = False) -> None:
     """An engine process holding vLLM's MXFP8 layout of ``shape`` in exportable memory
     (direct writes), optionally post-processed into the TRT-LLM kernel layout."""
     from mxrefit.engines.layout import LayoutEngine
@@ -56,7 +57,7 @@ def serve_layout(conn, shape, post: bool, timeout_s: float, experts: str = "per_
     params = vllm_params(shape, mxfp8=True)
     units, kernel = vllm_mxfp8_units(shape, params, dev) if post else ((), {})
     engine = LayoutEngine(params, vllm_destinations(shape, mxfp8=True, experts=experts), dev, units=units, kernel=kernel)
-    receiver = Receiver(engine, timeout_s=timeout_s)
+    receiver = Receiver(engine, timeout_s=timeout_s, transactional=transactional)
     conn.send({"address": receiver.address, "token": receiver.token})
     try:
         receiver.serve()
