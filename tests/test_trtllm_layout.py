@@ -117,3 +117,42 @@ def test_moe_alignment_rules_name_the_tensor():
         check_moe_alignment("layers.0.w13", 200, 2048)
     with pytest.raises(ValueError, match=r"K=96"):
         check_moe_alignment("layers.0.w2", 256, 96)
+
+
+_INTERPRETED = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from mxrefit.engines.trtllm import LinearScaleLayout, MoeLayout, interleaved_size
+from test_trtllm_layout import vllm_steps
+import vllm.model_executor.layers.fused_moe
+from vllm.model_executor.layers.quantization.utils.mxfp8_utils import swizzle_mxfp8_scale
+dev = torch.device("cpu")
+for gated in (True, False):
+    for e, m, c in ((3, 256, 8), (2, 128, 4)):
+        g = torch.Generator().manual_seed(e + m + c)
+        v = torch.randint(0, 256, (e, m, c * 32), generator=g, dtype=torch.uint8)
+        s = torch.randint(0, 256, (e, m, c), generator=g, dtype=torch.uint8)
+        lv, ls = MoeLayout(e, m, c * 32, gated, dev, scales=False), MoeLayout(e, m, c, gated, dev, scales=True)
+        assert lv.kernels is not None and ls.kernels is not None
+        kv = torch.empty_like(v); lv(v, kv)
+        ks = torch.zeros(e * interleaved_size(m, c), dtype=torch.uint8); ls(s, ks)
+        assert torch.equal(kv.view(e, -1), vllm_steps(v, gated, scales=False))
+        assert torch.equal(ks.view(e, -1), vllm_steps(s, gated, scales=True))
+for rows, cols in ((128, 4), (100, 3), (7, 1), (200, 9)):
+    sf = torch.randint(0, 256, (rows, cols), dtype=torch.uint8)
+    layout = LinearScaleLayout(rows, cols, dev)
+    out = torch.zeros(layout.out_bytes, dtype=torch.uint8); layout(sf, out)
+    assert torch.equal(out, swizzle_mxfp8_scale(sf, rows, cols * 32))
+print("ok")
+"""
+
+
+def test_triton_layout_kernels_under_the_interpreter_equal_vllm():
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _INTERPRETED, os.path.dirname(__file__)],
+                         env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0 and "ok" in run.stdout, run.stdout[-2000:] + run.stderr[-3000:]

@@ -23,6 +23,7 @@ The formulas are checked on CPU against vLLM's own pure-torch ``swap_w13_to_w31`
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -85,23 +86,42 @@ def check_moe_alignment(name: str, rows: int, k: int) -> None:
         )
 
 
+def _kernels(device: torch.device):
+    """The Triton kernels where they run (CUDA, or Triton's CPU interpreter), else None (torch path)."""
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return None
+    try:
+        from mxrefit.engines import _trtllm_triton
+    except ImportError:
+        return None
+    return _trtllm_triton
+
+
 class MoeLayout:
     """Writes one MoE parameter (values or scales, [E, M, C]) into its TRT-LLM kernel layout."""
 
     def __init__(self, experts: int, rows: int, cols: int, gated: bool, device: torch.device, *, scales: bool):
         self.scales = scales
         self.perm = moe_row_permutation(rows, gated).to(device)
+        self.kernels = _kernels(torch.device(device))
+        if self.kernels is not None and not scales and cols % 8:
+            self.kernels = None  # the row kernel moves 8-byte words
+        self.out_per_expert = interleaved_size(rows, cols) if scales else rows * cols
         if scales:
             # scale byte (r, c) of the checkpoint lands at interleave(P^-1 (r), c)
             inv = torch.empty_like(self.perm)
             inv[self.perm] = torch.arange(rows, device=device)
             idx = interleave_index(rows, cols).to(device).view(rows, cols)
             self.scatter = idx[inv].reshape(-1)
-            self.out_per_expert = interleaved_size(rows, cols)
 
     def __call__(self, staged: torch.Tensor, kernel: torch.Tensor) -> None:
         e = staged.shape[0]
-        if self.scales:
+        if self.kernels is not None:
+            if self.scales:
+                self.kernels.scale_interleave(staged, kernel.view(-1), self.perm, self.out_per_expert)
+            else:
+                self.kernels.row_gather(staged, kernel.view(staged.shape), self.perm)
+        elif self.scales:
             kernel.view(e, -1).index_copy_(1, self.scatter, staged.reshape(e, -1))
         else:
             torch.index_select(staged, 1, self.perm, out=kernel.view(staged.shape))
@@ -111,11 +131,15 @@ class LinearScaleLayout:
     """``swizzle_mxfp8_scale`` as one scatter into a zeroed, padded flat kernel tensor."""
 
     def __init__(self, rows: int, cols: int, device: torch.device):
+        self.kernels = _kernels(torch.device(device))
         self.scatter = interleave_index(rows, cols).to(device)
         self.out_bytes = interleaved_size(rows, cols)
 
     def __call__(self, staged: torch.Tensor, kernel: torch.Tensor) -> None:
-        kernel.view(-1).index_copy_(0, self.scatter, staged.reshape(-1))
+        if self.kernels is not None:
+            self.kernels.scale_interleave(staged.reshape(1, *staged.shape), kernel.view(-1), None, self.out_bytes)
+        else:
+            kernel.view(-1).index_copy_(0, self.scatter, staged.reshape(-1))
 
 
 def vllm_mxfp8_units(shape, params: dict, device: torch.device) -> tuple[list, dict[str, torch.Tensor]]:
