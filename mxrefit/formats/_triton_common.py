@@ -82,18 +82,20 @@ class LaunchTable:
         roles = len(outs[0]) if outs else 0
         self.out_addr = [self.ints([o[r].data_ptr() for o in outs], torch.int64) for r in range(roles)]
         self.src_addr = torch.zeros(len(units), dtype=torch.int64, device=device)
-        self._last_src: list[int] = []
+        self.src_addresses: list[int] = []
         self.programs = len(prog_tensor)
 
     def ints(self, xs: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(list(xs), dtype=dtype, device=self.device)
 
-    def bind(self, sources: Sequence[torch.Tensor]) -> None:
-        """Table the sources' addresses (only when they changed since the last step)."""
+    def bind(self, sources: Sequence[torch.Tensor]) -> bool:
+        """Table the sources' addresses; returns whether they changed since the last step."""
         addrs = [s.data_ptr() for s in sources]
-        if addrs != self._last_src:
-            for s in sources:
-                if not s.is_contiguous():
-                    raise ValueError(f"grouped {self.kind} needs contiguous sources, got strides {s.stride()}")
-            self.src_addr.copy_(torch.tensor(addrs, dtype=torch.int64))
-            self._last_src = addrs
+        if addrs == self.src_addresses:
+            return False
+        for s in sources:
+            if not s.is_contiguous():
+                raise ValueError(f"grouped {self.kind} needs contiguous sources, got strides {s.stride()}")
+        self.src_addr.copy_(torch.tensor(addrs, dtype=torch.int64))
+        self.src_addresses = addrs
+        return True
