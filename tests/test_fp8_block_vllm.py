@@ -6,7 +6,8 @@ process registers a torch emulation kernel (dequantize with ``fp8_block.dequanti
 ``F.linear``) for the CPU platform, as the MXFP8 tests register vLLM's own MXFP8 emulation,
 then loads the checkpoint through vLLM's ``Fp8Config`` (``weight_block_size: [128, 128]``):
 the parameters are vLLM's block-FP8 ones, their bytes are ours, and its log-probabilities are
-those of transformers running the dequantized weights.
+those of transformers running the dequantized weights. A second child builds Qwen3-MoE models
+(dummy weights) to pin the expert parameters, including vLLM's refined scale grid.
 """
 
 from __future__ import annotations
@@ -133,18 +134,77 @@ def _child(out_path: str) -> None:
                    "sent": sent, "fused": expected_fused}, f)
 
 
-@pytest.fixture(scope="module")
-def vllm_run() -> dict:
+def _moe_child(out_path: str) -> None:
+    """Build Qwen3-MoE Fp8Config block models (dummy weights) and record their parameters."""
+    from transformers import Qwen3MoeConfig
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    _register_emulation_kernel()
+    work = tempfile.mkdtemp()
+    results = {}
+    for n, inter in enumerate((256, 192)):  # 192: not a multiple of 128, vLLM refines the scale grid
+        cfg = Qwen3MoeConfig(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=inter,
+                             num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=4,
+                             num_experts_per_tok=2, decoder_sparse_step=1, tie_word_embeddings=False)
+        cfg.architectures = ["Qwen3MoeForCausalLM"]
+        d = os.path.join(work, str(n))
+        cfg.save_pretrained(d)
+        with open(os.path.join(d, "config.json")) as f:
+            raw = json.load(f)
+        raw["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic",
+                                      "ignored_layers": ["model.layers.0.mlp.gate"]}
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump(raw, f)
+        vc = EngineArgs(model=d, skip_tokenizer_init=True, load_format="dummy", dtype="bfloat16", enforce_eager=True,
+                        max_model_len=128).create_engine_config()
+        with set_current_vllm_config(vc):
+            if n == 0:
+                init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                             distributed_init_method=f"file://{os.path.join(work, 'dist')}")
+                initialize_model_parallel(1, 1)
+            with set_default_torch_dtype(torch.bfloat16):
+                model = initialize_model(vc)
+        results[str(inter)] = [[k, list(p.shape), str(p.dtype)] for k, p in model.named_parameters()]
+    with open(out_path, "w") as f:
+        json.dump(results, f)
+
+
+def _run_child(mode: str) -> dict:
     pytest.importorskip("vllm")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
         env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR", VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=path)
-        proc = subprocess.run([sys.executable, __file__, out], capture_output=True, text=True, timeout=600, env=env, cwd=root)
+        proc = subprocess.run([sys.executable, __file__, mode, out], capture_output=True, text=True, timeout=600, env=env, cwd=root)
         assert proc.returncode == 0, proc.stderr[-4000:]
         with open(out) as f:
             return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def vllm_run() -> dict:
+    return _run_child("dense")
+
+
+@pytest.mark.vllm
+def test_vllm_moe_fp8_block_parameters():
+    got = _run_child("moe")
+    experts = "model.layers.0.mlp.experts.routed_experts"
+    f8, f32 = "torch.float8_e4m3fn", "torch.float32"
+    for inter, grid in (("256", 128), ("192", 64)):
+        params = {n: (tuple(s), d) for n, s, d in got[inter]}
+        i = int(inter)
+        assert params[f"{experts}.w13_weight"] == ((4, 2 * i, 256), f8)
+        assert params[f"{experts}.w2_weight"] == ((4, 256, i), f8)
+        assert params[f"{experts}.w13_weight_scale_inv"] == ((4, 2 * -(-i // grid), 256 // grid), f32)
+        assert params[f"{experts}.w2_weight_scale_inv"] == ((4, 256 // grid, -(-i // grid)), f32)
+        assert params["model.layers.0.mlp.gate.weight"] == ((4, 256), "torch.bfloat16")
+        assert params["model.layers.0.self_attn.qkv_proj.weight_scale_inv"] == ((4, 2), f32)
 
 
 @pytest.mark.vllm
@@ -174,4 +234,4 @@ def test_vllm_computes_what_transformers_does_with_the_dequantized_weights(vllm_
 
 
 if __name__ == "__main__":
-    _child(sys.argv[1])
+    (_child if sys.argv[1] == "dense" else _moe_child)(sys.argv[2])
