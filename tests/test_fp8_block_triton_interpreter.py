@@ -90,3 +90,10 @@ def test_grouped_kernel_many_tensors_one_launch():
     ue(fresh, bad)
     for i in range(len(shapes)):
         _assert_same(_bytes(*outs[i]), reference_quantize(fresh[i], use_ue8m0=True), f"ue8m0 member {i}")
+    assert not ue._aligned  # K = 260: value rows are not 16-byte aligned, so no alignment hints
+    aligned = [0, 2, 3, 4]  # every K a multiple of 16, every address 16-byte aligned: the hinted variant
+    group = _fp8_block_triton.QuantizeGroup([fresh[i] for i in aligned], [outs[i] for i in aligned], (128, 128), False)
+    group([fresh[i] for i in aligned], bad)
+    assert group._aligned
+    for i in aligned:
+        _assert_same(_bytes(*outs[i]), reference_quantize(fresh[i]), f"aligned member {i}")
