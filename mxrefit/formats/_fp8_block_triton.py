@@ -35,17 +35,25 @@ def supports_block(block: tuple[int, int]) -> bool:
 
 @triton.jit
 def _quantize_tile(
-    src, dst_values, dst_scales, tile, n_rows, n_cols, tiles_k, tiles_per_mat,
+    src, dst_values, dst_scales, tile, n_rows, n_cols, row_stride, tiles_k, tiles_per_mat,
     BN: tl.constexpr, BK: tl.constexpr, UE8M0: tl.constexpr, INT_ROUND: tl.constexpr, IS_BF16: tl.constexpr,
     AMAX_FLOOR_BITS: tl.constexpr,
 ):
-    """Quantize flat tile ``tile`` (int64) of one tensor; returns whether it held NaN/Inf."""
+    """Quantize flat tile ``tile`` (int64) of one tensor; returns whether it held NaN/Inf.
+
+    ``row_stride`` is ``n_cols`` as int32: offsets within a tile are int32 per element, the
+    tile's own offset is int64 once."""
     mat = tile // tiles_per_mat
     in_mat = tile % tiles_per_mat
-    rows = (in_mat // tiles_k) * BN + tl.arange(0, BN)
-    cols = (in_mat % tiles_k) * BK + tl.arange(0, BK)
-    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
-    offs = mat * n_rows * n_cols + rows[:, None] * n_cols + cols[None, :]
+    row0 = (in_mat // tiles_k) * BN
+    col0 = (in_mat % tiles_k) * BK
+    base = mat * n_rows * n_cols + row0 * n_cols + col0  # int64, once per tile
+    r = tl.arange(0, BN)
+    c = tl.arange(0, BK)
+    mask = (row0 + r < n_rows)[:, None] & (col0 + c < n_cols)[None, :]
+    offs = r[:, None] * row_stride + c[None, :]
+    src = src + base
+    dst_values = dst_values + base
     bits = widen_to_f32_bits(tl.load(src + offs, mask=mask, other=0), IS_BF16)
     amag = tl.max(tl.max(bits & 0x7FFFFFFF, axis=1), axis=0)
     amax = tl.maximum(amag, AMAX_FLOOR_BITS).to(tl.float32, bitcast=True)
@@ -71,7 +79,7 @@ def _single_kernel(
 ):
     tile = tl.program_id(0).to(tl.int64)
     is_bad = _quantize_tile(
-        x_ptr, v_ptr, s_ptr, tile, n_rows, n_cols, tiles_k, tiles_per_mat, BN, BK, UE8M0, INT_ROUND, IS_BF16, AMAX_FLOOR_BITS
+        x_ptr, v_ptr, s_ptr, tile, n_rows, n_cols, n_cols, tiles_k, tiles_per_mat, BN, BK, UE8M0, INT_ROUND, IS_BF16, AMAX_FLOOR_BITS
     )
     tl.atomic_min(bad_ptr, tile.to(tl.int32), mask=is_bad)
 
@@ -92,12 +100,15 @@ def _group_kernel(
     src = tl.load(src_addr + t).to(tl.pointer_type(tl.int16))
     dst_values = tl.load(values_addr + t).to(tl.pointer_type(tl.uint8))
     dst_scales = tl.load(scales_addr + t).to(tl.pointer_type(tl.float32))
+    row_stride = n_cols.to(tl.int32)
     if ALIGNED:  # every row starts 16-byte aligned in source and values: vector loads and stores
         n_cols = tl.multiple_of(n_cols, 16)
+        row_stride = tl.multiple_of(row_stride, 16)
         src = tl.multiple_of(src, 16)
         dst_values = tl.multiple_of(dst_values, 16)
     is_bad = _quantize_tile(
-        src, dst_values, dst_scales, tile, n_rows, n_cols, tiles_k, tiles_per_mat, BN, BK, UE8M0, INT_ROUND, IS_BF16, AMAX_FLOOR_BITS
+        src, dst_values, dst_scales, tile, n_rows, n_cols, row_stride, tiles_k, tiles_per_mat,
+        BN, BK, UE8M0, INT_ROUND, IS_BF16, AMAX_FLOOR_BITS,
     )
     tl.atomic_min(bad_ptr, t, mask=is_bad)
 
