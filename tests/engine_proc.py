@@ -7,14 +7,16 @@ import logging
 import torch
 
 
-def serve_tiny(conn, model: str, mxfp8: bool, timeout_s: float, tcp: bool = False, transactional: bool = False) -> None:
+def serve_tiny(conn, model: str, mxfp8: bool, timeout_s: float, tcp: bool = False, quant: str | None = None,
+               transactional: bool = False) -> None:
     import models
     from mxrefit.engines.torch import TorchEngine
     from mxrefit.receiver import Receiver
 
     logging.basicConfig(level=logging.INFO)
     module = models.tiny_llama(seed=1) if model == "llama" else models.tiny_qwen3_moe(seed=1)
-    receiver = Receiver(TorchEngine(module, mxfp8=mxfp8), timeout_s=timeout_s, tcp=tcp, transactional=transactional)
+    receiver = Receiver(TorchEngine(module, mxfp8=mxfp8, quant=quant), timeout_s=timeout_s, tcp=tcp,
+                        transactional=transactional)
     conn.send({"address": receiver.address, "token": receiver.token})
     try:
         receiver.serve()

@@ -20,10 +20,10 @@ def moe():
     return tiny_qwen3_moe(seed=0)
 
 
-@pytest.mark.parametrize("mx", [False, True])
-def test_every_target_byte_is_placed_once_and_runs_are_merged(moe, mx):
+@pytest.mark.parametrize("quant", [None, "mxfp8", "fp8-block"])
+def test_every_target_byte_is_placed_once_and_runs_are_merged(moe, quant):
     specs = _specs(moe)
-    engine = TorchEngine(tiny_qwen3_moe(seed=1), mxfp8=mx)
+    engine = TorchEngine(tiny_qwen3_moe(seed=1), quant=quant)
     plan = build_plan(specs, engine.params(), engine.destinations(), bucket_bytes=64 << 10)
     assert len(plan.buckets) > 3
     covered = {name: torch.zeros(p.nbytes, dtype=torch.int32) for name, p in engine.params().items()}
@@ -34,8 +34,8 @@ def test_every_target_byte_is_placed_once_and_runs_are_merged(moe, mx):
             covered[r.param][r.param_offset : r.param_offset + r.nbytes] += 1
         assert len(b.runs) <= len(b.parts)
     assert all(bool((c == 1).all()) for c in covered.values()), "some engine byte is written zero or two times"
-    if mx:
-        assert any(d.format == "mxfp8" for d in engine.destinations().values())
+    if quant:
+        assert any(d.format == quant for d in engine.destinations().values())
         assert engine.destinations()["model.embed_tokens.weight"].format == "bf16"
         assert engine.destinations()["lm_head.weight"].format == "bf16"
 
@@ -91,6 +91,15 @@ def test_k_not_divisible_by_32_is_refused_for_mxfp8():
     dests = {"w": Destination("w", "mxfp8", (Target("w", 0, (4, 48), torch.float8_e4m3fn), Target("w_scale", 0, (4, 1), torch.uint8)))}
     with pytest.raises(PlanMismatch, match="not a multiple of 32"):
         build_plan([SourceSpec("w", (4, 48), torch.bfloat16)], params, dests)
+
+
+def test_fp8_block_parts_must_match_the_engine_scale_shape():
+    params = {"w": ParamSpec("w", (200, 130), torch.float8_e4m3fn), "w_scale_inv": ParamSpec("w_scale_inv", (1, 1), torch.float32)}
+    dests = {"w": Destination("w", "fp8-block", (Target("w", 0, (200, 130), torch.float8_e4m3fn), Target("w_scale_inv", 0, (1, 1), torch.float32)))}
+    with pytest.raises(PlanMismatch, match=r"'w'.*scales would be \(2, 2\) torch.float32, the engine's 'w_scale_inv' takes \(1, 1\)"):
+        build_plan([SourceSpec("w", (200, 130), torch.bfloat16)], params, dests)
+    with pytest.raises(PlanMismatch, match=r"tensor 'w': FP8-block prequantization needs a bfloat16, float16 or float32"):
+        build_plan([SourceSpec("w", (200, 130), torch.int8)], params, dests)
 
 
 def test_targets_outside_their_parameter_are_refused():

@@ -4,23 +4,46 @@ Destination names are the module's own parameter names, so an HF model receives 
 as they are. Storage is written in place: parameter objects and their data pointers never
 change across refits. Parameters that share storage (tied embeddings) are one destination.
 
-With ``mxfp8=True`` every eligible weight (``mxrefit.eligibility``) is held in the engine's
-MXFP8 layout, as vLLM's ModelOpt layers hold it: the parameter ``<attr>`` is replaced by an
-E4M3 buffer ``<attr>`` plus a uint8 buffer ``<attr>_scale`` [..., K/32] on the same module,
-initialised by quantizing the current weight. Such a module is a weight store (its forward
-would see FP8 tensors); ``dequantized_state()`` gives the BF16 view for checks.
+With ``quant`` set, every eligible weight (``mxrefit.eligibility``) is held quantized, as
+vLLM's layers hold it: the parameter ``<attr>`` is replaced by an E4M3 buffer ``<attr>`` plus
+a scale buffer on the same module, initialised by quantizing the current weight:
+- ``"mxfp8"``: ``<attr>_scale``, uint8 [..., K/32] (ModelOpt MXFP8's name);
+- ``"fp8-block"`` / ``"fp8-block-ue8m0"``: ``<attr>_scale_inv``, float32
+  [..., ceil(N/128), ceil(K/128)] (``Fp8Config`` block quantization's name; the second sends
+  power-of-two scales).
+Such a module is a weight store (its forward would see FP8 tensors); ``dequantized_state()``
+gives the BF16 view for checks.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import nn
 
-from mxrefit.eligibility import mxfp8_eligible
+from mxrefit.eligibility import ELIGIBLE, Rule
 from mxrefit.engines.base import Destination, Engine, ParamSpec, Target
-from mxrefit.formats import mxfp8
+from mxrefit.formats import fp8_block, mxfp8
+
+
+@dataclass(frozen=True)
+class _Held:
+    """How one quantized format is held: its scale buffer's suffix and its (de)quantizer."""
+
+    scale_suffix: str
+    quantize: Callable[[torch.Tensor, str], tuple[torch.Tensor, torch.Tensor]]
+    dequantize: Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
+
+
+HELD: dict[str, _Held] = {
+    "mxfp8": _Held("_scale", lambda w, name: mxfp8.quantize(w, name=name), mxfp8.dequantize),
+    "fp8-block": _Held("_scale_inv", lambda w, name: fp8_block.quantize(w, name=name), fp8_block.dequantize),
+    "fp8-block-ue8m0": _Held(
+        "_scale_inv", lambda w, name: fp8_block.quantize(w, use_ue8m0=True, name=name), fp8_block.dequantize
+    ),
+}
 
 
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -34,10 +57,22 @@ class TorchEngine(Engine):
         self,
         module: nn.Module,
         *,
+        quant: str | None = None,
         mxfp8: bool = False,
-        eligible: Callable[[str, tuple[int, ...]], bool] = mxfp8_eligible,
+        eligible: Rule | None = None,
     ):
+        """``quant``: None (every parameter as it is), ``"mxfp8"``, ``"fp8-block"`` or
+        ``"fp8-block-ue8m0"``; ``mxfp8=True`` is short for ``quant="mxfp8"``. ``eligible``
+        overrides the format's default rule for which weights are quantized."""
+        if mxfp8:
+            if quant not in (None, "mxfp8"):
+                raise ValueError(f"mxfp8=True and quant={quant!r} disagree; pass quant alone")
+            quant = "mxfp8"
+        if quant is not None and quant not in HELD:
+            raise ValueError(f"quant must be None or one of {sorted(HELD)}, got {quant!r}")
         self.module = module
+        self.quant = quant
+        rule = eligible if eligible is not None else ELIGIBLE.get(quant)
         self._tensors: dict[str, torch.Tensor] = {}
         self._destinations: dict[str, Destination] = {}
         seen_storage: dict[int, str] = {}
@@ -49,27 +84,27 @@ class TorchEngine(Engine):
                 continue
             seen_storage[key] = name
             shape = tuple(param.shape)
-            if mxfp8 and eligible(name, shape):
-                self._hold_as_mxfp8(name, param)
+            if quant is not None and rule(name, shape):
+                self._hold_quantized(name, param, HELD[quant])
             else:
                 self._tensors[name] = param.data
                 self._destinations[name] = Destination(name, "bf16", (Target(name, 0, shape, param.dtype),))
 
-    def _hold_as_mxfp8(self, name: str, param: nn.Parameter) -> None:
+    def _hold_quantized(self, name: str, param: nn.Parameter, held: _Held) -> None:
         owner_name, _, attr = name.rpartition(".")
         owner = self.module.get_submodule(owner_name) if owner_name else self.module
         with torch.no_grad():
-            values, scales = mxfp8.quantize(param.data, name=name)
+            values, scales = held.quantize(param.data, name)
         delattr(owner, attr)
         owner.register_buffer(attr, values)
-        owner.register_buffer(f"{attr}_scale", scales)
-        shape = tuple(values.shape)
+        owner.register_buffer(f"{attr}{held.scale_suffix}", scales)
+        scale_name = f"{name}{held.scale_suffix}"
         self._tensors[name] = values
-        self._tensors[f"{name}_scale"] = scales
+        self._tensors[scale_name] = scales
         self._destinations[name] = Destination(
             name,
-            "mxfp8",
-            (Target(name, 0, shape, values.dtype), Target(f"{name}_scale", 0, tuple(scales.shape), scales.dtype)),
+            self.quant,
+            (Target(name, 0, tuple(values.shape), values.dtype), Target(scale_name, 0, tuple(scales.shape), scales.dtype)),
         )
 
     def params(self) -> dict[str, ParamSpec]:
@@ -85,11 +120,12 @@ class TorchEngine(Engine):
         return self._tensors[param]
 
     def dequantized_state(self, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-        """Every trainer-named weight as the engine holds it, MXFP8 ones dequantized."""
+        """Every trainer-named weight as the engine holds it, quantized ones dequantized."""
         out = {}
         for name, dest in self._destinations.items():
-            if dest.format == "mxfp8":
-                out[name] = mxfp8.dequantize(self._tensors[name], self._tensors[f"{name}_scale"], dtype)
+            if dest.format in HELD:
+                values, scales = (self._tensors[t.param] for t in dest.targets)
+                out[name] = HELD[dest.format].dequantize(values, scales, dtype)
             else:
                 out[name] = self._tensors[name]
         return out

@@ -15,7 +15,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from mxrefit.formats import mxfp8
+from mxrefit.formats import fp8_block, mxfp8
+from mxrefit.formats._common import NonFiniteError
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,40 @@ class Passthrough(Format):
         return encode
 
 
+def _kernel_encoder(
+    sources: Sequence[tuple[tuple[int, ...], torch.dtype]],
+    outs: Sequence[Sequence[torch.Tensor]],
+    make_group: Callable[[list[torch.Tensor], list[Sequence[torch.Tensor]], torch.device], Callable] | None,
+    encode_one: Callable[[torch.Tensor, Sequence[torch.Tensor]], None],
+) -> Encoder:
+    """The step function of a quantized format: on CUDA one grouped kernel launch per input
+    dtype the kernels take (BF16, FP16), built once by ``make_group``; every other source
+    through ``encode_one`` (the torch path), whose NonFiniteError lands in ``bad`` like the
+    kernels' reports."""
+    device = outs[0][0].device if outs else torch.device("cpu")
+    groups = []  # (indices, launch) per input dtype the kernel takes
+    rest = list(range(len(sources)))
+    if make_group is not None and device.type == "cuda":
+        for dtype in (torch.bfloat16, torch.float16):
+            idx = [i for i, (_, dt) in enumerate(sources) if dt == dtype]
+            if idx:
+                shaped = [torch.empty(sources[i][0], dtype=dtype, device="meta") for i in idx]
+                groups.append((idx, make_group(shaped, [outs[i] for i in idx], device)))
+        grouped = {i for idx, _ in groups for i in idx}
+        rest = [i for i in rest if i not in grouped]
+
+    def encode(step_sources, bad):
+        for idx, launch in groups:
+            launch([step_sources[i] for i in idx], bad)
+        for i in rest:
+            try:
+                encode_one(step_sources[i], outs[i])
+            except NonFiniteError:
+                bad.fill_(min(int(bad.item()), i))
+
+    return encode
+
+
 class MXFP8(Format):
     """E4M3 values + E8M0 scale bytes per 32 along K; bytes equal vLLM's quantization."""
 
@@ -90,34 +125,55 @@ class MXFP8(Format):
 
     def encoder(self, sources, outs):
         kernels = mxfp8._triton_module()
-        device = outs[0][0].device if outs else torch.device("cpu")
-        fused_ok = kernels is not None and device.type == "cuda"
-        groups = []  # (indices, QuantizeGroup) per input dtype the kernel takes
-        rest = list(range(len(sources)))
-        if fused_ok:
-            for dtype in (torch.bfloat16, torch.float16):
-                idx = [i for i, (_, dt) in enumerate(sources) if dt == dtype]
-                if idx:
-                    shaped = [torch.empty(sources[i][0], dtype=dtype, device="meta") for i in idx]
-                    groups.append((idx, kernels.QuantizeGroup(shaped, [outs[i] for i in idx], device=device)))
-            grouped = {i for idx, _ in groups for i in idx}
-            rest = [i for i in rest if i not in grouped]
-        zero_one = bool(self.min_byte)
+        min_byte = self.min_byte
+        make_group = None
+        if kernels is not None:
+            def make_group(shaped, group_outs, device):
+                group = kernels.QuantizeGroup(shaped, group_outs, device=device)
+                return lambda srcs, bad: group(srcs, min_byte, bad)
 
-        def encode(step_sources, bad):
-            for idx, group in groups:
-                group([step_sources[i] for i in idx], self.min_byte, bad)
-            for i in rest:
-                values, scales = outs[i]
-                try:
-                    mxfp8.quantize(step_sources[i], out=values, scale_out=scales, backend="torch", zero_block_scale_one=zero_one)
-                except mxfp8.NonFiniteError:
-                    bad.fill_(min(int(bad.item()), i))
+        def encode_one(src, out):
+            mxfp8.quantize(src, out=out[0], scale_out=out[1], backend="torch", zero_block_scale_one=bool(min_byte))
 
-        return encode
+        return _kernel_encoder(sources, outs, make_group, encode_one)
 
 
-FORMATS: dict[str, Format] = {f.name: f for f in (Passthrough(), MXFP8())}
+class FP8Block(Format):
+    """E4M3 values + one float32 scale_inv per 128x128 tile; bytes equal vLLM's ``per_block_cast_to_fp8``.
+
+    ``use_ue8m0`` (format ``fp8-block-ue8m0``) sends power-of-two scales, what a DeepGEMM E8M0
+    engine re-quantizes to after loading: the engine's weights are then one rounding of the
+    trainer's, not two.
+    """
+
+    def __init__(self, use_ue8m0: bool = False):
+        self.use_ue8m0 = use_ue8m0
+        self.name = "fp8-block-ue8m0" if use_ue8m0 else "fp8-block"
+
+    def parts(self, shape, value_dtype):
+        return (
+            PartSpec("values", tuple(shape), fp8_block.VALUE_DTYPE),
+            PartSpec("scales", fp8_block.scale_shape(tuple(shape)), fp8_block.SCALE_DTYPE),
+        )
+
+    def check_source(self, name, shape, dtype):
+        fp8_block.check_quantizable(tuple(shape), dtype, name)
+
+    def encoder(self, sources, outs):
+        kernels = fp8_block._triton_module()
+        use_ue8m0 = self.use_ue8m0
+        make_group = None
+        if kernels is not None:
+            def make_group(shaped, group_outs, device):
+                return kernels.QuantizeGroup(shaped, group_outs, fp8_block.BLOCK, use_ue8m0, device=device)
+
+        def encode_one(src, out):
+            fp8_block.quantize(src, out=out[0], scale_out=out[1], use_ue8m0=use_ue8m0, backend="torch")
+
+        return _kernel_encoder(sources, outs, make_group, encode_one)
+
+
+FORMATS: dict[str, Format] = {f.name: f for f in (Passthrough(), MXFP8(), FP8Block(), FP8Block(use_ue8m0=True))}
 
 
 def get_format(name: str) -> Format:

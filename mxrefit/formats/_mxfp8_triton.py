@@ -17,59 +17,30 @@ A non-finite block is reported through ``bad``, the smallest flat block index ho
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 import triton
 import triton.language as tl
 
+from mxrefit.formats._triton_common import LaunchTable, e4m3_rne, interpreting, supports, widen_to_f32_bits
+
+__all__ = ["supports", "interpreting", "quantize_into", "QuantizeGroup"]
+
 _INT32_MAX = 2**31 - 1
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def supports(x: torch.Tensor) -> bool:
-    if x.dtype not in (torch.bfloat16, torch.float16):
-        return False
-    return x.is_cuda or (interpreting() and x.device.type == "cpu")
 
 
 @triton.jit
 def _quantize_blocks(src, dst_values, dst_scales, blk, blk_mask, MIN_BYTE: tl.constexpr, INT_ROUND: tl.constexpr, IS_BF16: tl.constexpr):
     """Quantize blocks ``blk`` (consecutive runs of 32) of one tensor; returns which were non-finite."""
     offs = blk[:, None] * 32 + tl.arange(0, 32)[None, :]
-    raw = tl.load(src + offs, mask=blk_mask[:, None], other=0)
-    raw = raw.to(tl.int32) & 0xFFFF
-    if IS_BF16:
-        bits = raw << 16
-    else:  # float16 -> float32 bits; its subnormals m * 2**-24 are float32 normals
-        e5 = (raw >> 10) & 0x1F
-        m10 = raw & 0x3FF
-        sub = (m10.to(tl.float32) * 5.9604644775390625e-08).to(tl.int32, bitcast=True)
-        normal = ((e5 + 112) << 23) | (m10 << 13)
-        bits = tl.where(e5 == 0, sub, tl.where(e5 == 0x1F, 0x7F800000 | (m10 << 13), normal))
-        bits = bits | ((raw & 0x8000) << 16)
+    bits = widen_to_f32_bits(tl.load(src + offs, mask=blk_mask[:, None], other=0), IS_BF16)
     mag = bits & 0x7FFFFFFF
     amag = tl.max(mag, axis=1)
     sb = (amag >> 23) - 8 + ((amag & 0x7FFFFF) > 0x600000).to(tl.int32)
     sb = tl.minimum(tl.maximum(sb, MIN_BYTE), 254)
 
     if INT_ROUND:
-        e = mag >> 23
-        sig = tl.where(e == 0, mag & 0x7FFFFF, (mag & 0x7FFFFF) | 0x800000)
-        top = (sig.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127
-        q = tl.maximum(e, 1) - 23 - sb[:, None]
-        shift = tl.minimum(tl.maximum(top - 3, -9 - q), 25)
-        kept = sig >> shift
-        rem = sig & ((1 << shift) - 1)
-        half = 1 << (shift - 1)
-        up = (rem > half) | ((rem == half) & ((kept & 1) == 1))
-        r = kept + up.to(tl.int32)
-        code = tl.where(r == 0, 0, ((q + shift + 9) << 3) + r)
-        byte = (code | ((bits >> 24) & 0x80)).to(tl.uint8)
+        byte = e4m3_rne(bits, sb[:, None])
     else:
         k = 127 - sb
         k1 = k >> 1
@@ -155,7 +126,7 @@ def quantize_into(
 
 
 class QuantizeGroup:
-    """One launch for many tensors: per-program (tensor, first block) tables built once.
+    """One launch for many tensors (``LaunchTable`` rows of ``blocks_per_program`` blocks each).
 
     Destinations are fixed (views of a persistent transfer buffer), so their addresses are
     tabled at construction; source addresses are re-sent only when they change.
@@ -174,34 +145,17 @@ class QuantizeGroup:
         self.is_bf16 = sources[0].dtype == torch.bfloat16
         self.nb = blocks_per_program
         n_blocks = [s.numel() // 32 for s in sources]
-        prog_tensor, prog_block = [], []
-        for t, n in enumerate(n_blocks):
-            starts = range(0, n, self.nb)
-            prog_tensor.extend([t] * len(starts))
-            prog_block.extend(starts)
-        as_dev = lambda xs, dt: torch.tensor(xs, dtype=dt, device=self.device)  # noqa: E731
-        self.prog_tensor = as_dev(prog_tensor, torch.int32)
-        self.prog_block = as_dev(prog_block, torch.int32)
-        self.n_blocks_of = as_dev(n_blocks, torch.int64)
-        self.values_addr = as_dev([v.data_ptr() for v, _ in outs], torch.int64)
-        self.scales_addr = as_dev([s.data_ptr() for _, s in outs], torch.int64)
-        self.src_addr = torch.zeros(len(sources), dtype=torch.int64, device=self.device)
-        self._last_src: list[int] = []
-        self.programs = len(prog_tensor)
+        self.table = LaunchTable(n_blocks, self.nb, outs, self.device, "MXFP8")
+        self.n_blocks_of = self.table.ints(n_blocks, torch.int64)
 
     def __call__(self, sources: list[torch.Tensor], min_byte: int, bad: torch.Tensor, int_round: bool | None = None) -> None:
-        addrs = [s.data_ptr() for s in sources]
-        if addrs != self._last_src:
-            for s in sources:
-                if not s.is_contiguous():
-                    raise ValueError(f"grouped MXFP8 needs contiguous sources, got strides {s.stride()}")
-            self.src_addr.copy_(torch.tensor(addrs, dtype=torch.int64))
-            self._last_src = addrs
-        if self.programs == 0:
+        table = self.table
+        table.bind(sources)
+        if table.programs == 0:
             return
-        _group_kernel[(self.programs,)](
-            self.prog_tensor, self.prog_block, self.n_blocks_of, self.src_addr, self.values_addr, self.scales_addr, bad,
+        values_addr, scales_addr = table.out_addr
+        _group_kernel[(table.programs,)](
+            table.prog_tensor, table.prog_unit, self.n_blocks_of, table.src_addr, values_addr, scales_addr, bad,
             MIN_BYTE=min_byte, NB=self.nb, INT_ROUND=interpreting() if int_round is None else int_round,
             IS_BF16=self.is_bf16, num_warps=4,
         )
-

@@ -22,9 +22,9 @@ Decisions, also in docs/formats.md:
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
+
+from mxrefit.formats._common import Backend, NonFiniteError, check_out, choose_backend, kernel_module, label
 
 BLOCK = 32
 VALUE_DTYPE = torch.float8_e4m3fn
@@ -32,25 +32,15 @@ SCALE_DTYPE = torch.uint8
 E4M3_MAX = 448.0
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-Backend = Literal["auto", "torch", "triton"]
-
-
-class NonFiniteError(ValueError):
-    """The input holds NaN or Inf; raised before any byte is returned as valid."""
-
 
 def scale_shape(shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
     """Shape of the scale tensor for values of ``shape``."""
     return (*shape[:-1], shape[-1] // BLOCK)
 
 
-def _label(name: str | None) -> str:
-    return f"tensor {name!r}" if name else "input"
-
-
 def check_quantizable(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, name: str | None = None) -> None:
     """Raise ValueError unless a tensor of this shape and dtype can be quantized to MXFP8."""
-    what = _label(name)
+    what = label(name)
     if len(shape) not in (2, 3):
         raise ValueError(f"{what}: MXFP8 needs a 2-D [N, K] or 3-D [E, N, K] tensor, got shape {tuple(shape)}")
     if dtype not in INPUT_DTYPES:
@@ -63,17 +53,6 @@ def check_quantizable(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, n
             f"{what}: the last dim K={shape[-1]} of shape {tuple(shape)} is not a multiple of {BLOCK}, "
             f"the MXFP8 block size"
         )
-
-
-def _check_out(t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, role: str, what: str) -> None:
-    if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
-        raise ValueError(
-            f"{what}: {role} must be {dtype} of shape {tuple(shape)}, got {t.dtype} of shape {tuple(t.shape)}"
-        )
-    if t.device != device:
-        raise ValueError(f"{what}: {role} is on {t.device} but the input is on {device}")
-    if not t.is_contiguous():
-        raise ValueError(f"{what}: {role} must be contiguous (strides {t.stride()} for shape {tuple(t.shape)})")
 
 
 def pow2_from_scale_bytes(sb: torch.Tensor) -> torch.Tensor:
@@ -114,27 +93,7 @@ def _quantize_torch(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
 
 def _triton_module():
     """The kernel module, or None where triton is not installed."""
-    try:
-        from mxrefit.formats import _mxfp8_triton
-    except ImportError:
-        return None
-    return _mxfp8_triton
-
-
-def _choose_backend(x: torch.Tensor, backend: Backend) -> str:
-    if backend == "torch":
-        return "torch"
-    kernels = _triton_module()
-    if backend == "triton":
-        if kernels is None or not kernels.supports(x):
-            raise ValueError(
-                f"backend='triton' needs triton and a bfloat16/float16 input on CUDA (or TRITON_INTERPRET=1 "
-                f"on CPU), got {x.dtype} on {x.device}"
-            )
-        return "triton"
-    if backend != "auto":
-        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
-    return "triton" if x.is_cuda and kernels is not None and kernels.supports(x) else "torch"
+    return kernel_module("_mxfp8_triton")
 
 
 def quantize(
@@ -152,7 +111,7 @@ def quantize(
     so the bytes land where they are needed with no intermediate copy. ``name`` labels errors.
     On an error the destinations may hold partial bytes; nothing is returned as valid.
     """
-    what = _label(name)
+    what = label(name)
     check_quantizable(tuple(x.shape), x.dtype, name)
     if x.stride(-1) != 1:
         raise ValueError(f"{what}: the last dim must be contiguous (strides {x.stride()})")
@@ -160,13 +119,13 @@ def quantize(
     if out is None:
         out = torch.empty(vshape, dtype=VALUE_DTYPE, device=x.device)
     else:
-        _check_out(out, vshape, VALUE_DTYPE, x.device, "out", what)
+        check_out(out, vshape, VALUE_DTYPE, x.device, "out", what)
     if scale_out is None:
         scale_out = torch.empty(sshape, dtype=SCALE_DTYPE, device=x.device)
     else:
-        _check_out(scale_out, sshape, SCALE_DTYPE, x.device, "scale_out", what)
+        check_out(scale_out, sshape, SCALE_DTYPE, x.device, "scale_out", what)
     min_byte = 1 if zero_block_scale_one else 0
-    if _choose_backend(x, backend) == "triton":
+    if choose_backend(x, backend, _triton_module()) == "triton":
         bad = _triton_module().quantize_into(x, out, scale_out, min_byte)
         if bad is not None:
             raise NonFiniteError(first_bad_block_message(vshape, bad, what))
