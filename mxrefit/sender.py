@@ -282,6 +282,7 @@ class Sender:
         version = int(self.engine_status.get("version", 0)) + 1 if version is None else version
         report = RefitReport(version, transport=self.transport, check_s=time.perf_counter() - t0)
         self._request({"op": "begin", "version": version, "digest": plan.digest}, f"starting refit {version}")
+        self._bad.fill_(_NO_BAD)  # an aborted refit leaves its flag behind
         acked = 0
         try:
             for b, encoders in zip(plan.buckets, self._bucket_encoders):

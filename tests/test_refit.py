@@ -109,8 +109,6 @@ def test_fp8_block_encoder_flags_non_finite_while_packing():
         engine.stop(sender)
 
 
-@pytest.mark.xfail(strict=True, reason="sender.py: self._bad keeps the flag of an aborted refit, so every later "
-                   "refit stops at bucket 0 ('non-finite values in []'); owner of sender.py to fix")
 def test_refit_after_a_non_finite_abort_repairs():
     engine = Engine(quant="fp8-block")
     sender = Sender(engine.address, engine.token, bucket_bytes=32 << 10, check_finite=False)
