@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mxrefit.bytesum import ByteSum
+from mxrefit.devices import resolve
 from mxrefit.finite_check import FiniteCheck
 from mxrefit.formats import get_format, mxfp8
 from mxrefit.plan import DEFAULT_BUCKET_BYTES, PlanMismatch, RefitPlan, SourceSpec, build_plan, sources_to_msg, tables_from_msg
@@ -93,7 +94,7 @@ class Sender:
         before it applies a bucket; a mismatch fails the refit with the bucket named."""
         if transport is not None and transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS} or None, got {transport!r}")
-        self.device = torch.device(device)
+        self.device = resolve(device)
         self.bucket_bytes = bucket_bytes
         self.slots = slots
         self.requested_transport = transport

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from mxrefit.devices import resolve
 from mxrefit.engines.layout import LayoutEngine
 from mxrefit.engines.trtllm import reference_kernel_bytes, vllm_mxfp8_units
 from mxrefit.engines.vllm_layout import quantized_param_names, scale_param, vllm_destinations, vllm_params
@@ -258,8 +259,7 @@ def bench(model: str = "tiny-qwen3-moe", device: str = "auto", steps: int = 5, w
     if post not in POST:
         raise ValueError(f"post must be one of {POST}, got {post!r}")
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else torch.device(device)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
+    dev = resolve(dev)
     shape = resolve_shape(model, layers)
     specs = [SourceSpec(n, tuple(s), dt) for n, s, dt in hf_tensor_specs(shape, experts=experts)]
     with Progress(disable=not progress, transient=True) as bar:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
+from mxrefit.devices import resolve
 from mxrefit.engines.base import Destination, Engine, ParamSpec
 from mxrefit.engines.staging import ALIGN, StagedUnit, StagingPool
 from mxrefit.transport.exports import allocate
@@ -36,7 +37,7 @@ class LayoutEngine(Engine):
         param to the tensor its processing writes, which ``read`` then returns."""
         self._params = dict(params)
         self._destinations = dict(destinations)
-        self._device = torch.device(device)
+        self._device = resolve(device)
         self.staging = StagingPool(self._params, units, self._device, deferred=deferred) if units else None
         direct = [n for n in params if not (self.staging and self.staging.staged(n))]
         offsets, total = {}, 0

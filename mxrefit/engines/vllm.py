@@ -46,6 +46,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from mxrefit.devices import resolve
 from mxrefit.engines.base import Destination, Engine, ParamSpec, Target
 from mxrefit.engines.staging import StagedUnit, StagingPool
 from mxrefit.formats.mxfp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE
@@ -228,7 +229,7 @@ class VllmEngine(Engine):
             )
         self.model = model
         self.model_config = vllm_config.model_config
-        self._device = torch.device(device)
+        self._device = resolve(device)
         self.verify = os.environ.get("MXREFIT_VERIFY") == "1" if verify is None else verify
         self._verified = False
         live = checkpoint_specs(model)

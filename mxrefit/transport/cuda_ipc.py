@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from mxrefit.devices import resolve
 from mxrefit.transport.buffers import (
     MAX_BUFFER_BYTES,
     OpenedBuffers,
@@ -75,7 +76,7 @@ def _cuda_device(device: torch.device | str) -> torch.device:
         raise ValueError(f"cuda_ipc buffers need a CUDA device, got {device!r} (use kind 'shm')")
     if not torch.cuda.is_available():
         raise RuntimeError("cuda_ipc buffers need CUDA, but torch.cuda.is_available() is False here")
-    return torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
+    return resolve(dev)
 
 
 def _device_uuid(index: int) -> str:
