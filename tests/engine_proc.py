@@ -53,7 +53,9 @@ def serve_layout(conn, shape, post: bool, timeout_s: float, experts: str = "per_
     from mxrefit.receiver import Receiver
 
     logging.basicConfig(level=logging.INFO)
-    dev = torch.device(device)
+    from mxrefit.devices import resolve
+
+    dev = resolve(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     params = vllm_params(shape, mxfp8=True)
