@@ -164,7 +164,8 @@ class OpenedExports:
 
 
 def _check_rows(rows: Any, sizes: list[int]) -> list[tuple[str, int, int, int]]:
-    rows = check_list(rows, "tensors") if rows else []
+    if not isinstance(rows, list):
+        raise ValueError(f"exported tensors must be a list, got {type(rows).__name__}")
     if len(rows) > _MAX_TENSORS:
         raise ValueError(f"an export of {len(rows)} tensors is over the {_MAX_TENSORS} limit")
     out = []
