@@ -72,7 +72,7 @@ def _single_kernel(
 @triton.jit
 def _group_kernel(
     prog_tensor, prog_block, n_blocks_of, src_addr, values_addr, scales_addr, bad_ptr,
-    MIN_BYTE: tl.constexpr, NB: tl.constexpr, INT_ROUND: tl.constexpr, IS_BF16: tl.constexpr,
+    MIN_BYTE: tl.constexpr, NB: tl.constexpr, INT_ROUND: tl.constexpr, IS_BF16: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     t = tl.load(prog_tensor + pid)
@@ -80,6 +80,9 @@ def _group_kernel(
     src = tl.load(src_addr + t).to(tl.pointer_type(tl.int16))
     dst_values = tl.load(values_addr + t).to(tl.pointer_type(tl.uint8))
     dst_scales = tl.load(scales_addr + t).to(tl.pointer_type(tl.uint8))
+    if ALIGNED:  # addresses loaded from a table carry no alignment: say it, or every access is scalar
+        src = tl.multiple_of(src, 16)
+        dst_values = tl.multiple_of(dst_values, 16)
     is_bad = _quantize_blocks(src, dst_values, dst_scales, blk, blk < tl.load(n_blocks_of + t), MIN_BYTE, INT_ROUND, IS_BF16)
     any_bad = tl.max(is_bad.to(tl.int32), axis=0)
     tl.atomic_min(bad_ptr, t, mask=any_bad > 0)
@@ -147,15 +150,18 @@ class QuantizeGroup:
         n_blocks = [s.numel() // 32 for s in sources]
         self.table = LaunchTable(n_blocks, self.nb, outs, self.device, "MXFP8")
         self.n_blocks_of = self.table.ints(n_blocks, torch.int64)
+        self._values_aligned = all(v.data_ptr() % 16 == 0 for v, _ in outs)
+        self._aligned = False
 
     def __call__(self, sources: list[torch.Tensor], min_byte: int, bad: torch.Tensor, int_round: bool | None = None) -> None:
         table = self.table
-        table.bind(sources)
+        if table.bind(sources):
+            self._aligned = self._values_aligned and all(a % 16 == 0 for a in table.src_addresses)
         if table.programs == 0:
             return
         values_addr, scales_addr = table.out_addr
         _group_kernel[(table.programs,)](
             table.prog_tensor, table.prog_unit, self.n_blocks_of, table.src_addr, values_addr, scales_addr, bad,
             MIN_BYTE=min_byte, NB=self.nb, INT_ROUND=interpreting() if int_round is None else int_round,
-            IS_BF16=self.is_bf16, num_warps=4,
+            IS_BF16=self.is_bf16, ALIGNED=self._aligned, num_warps=4,
         )
