@@ -46,6 +46,7 @@ def run(experts: int, steps: int) -> dict:
         llm = vm.start_llm(path)
         try:
             info = llm.collective_rpc("mxrefit_init", kwargs={"experts": "grouped"})[0]
+            units = info["units"]
             sender = Sender(info["address"], bytes.fromhex(info["token"]))
             trainer = model_with(experts, 1)
             weights = {n: p.detach() for n, p in trainer.named_parameters()}
@@ -64,9 +65,11 @@ def run(experts: int, steps: int) -> dict:
     return {
         "experts": experts,
         "trainer_tensors": len(weights),
+        "engine_units_processed_per_refit": units,
         "bytes": reports[0].bytes,
         "engine_apply_ms": med("engine_apply_s") * 1e3,
         "engine_process_ms": med("engine_process_s") * 1e3,
+        "engine_process_ms_per_MB": med("engine_process_s") * 1e3 / (reports[0].bytes / 1e6),
         "total_ms": med("total_s") * 1e3,
         "steps": steps,
     }

@@ -390,7 +390,7 @@ class _WorkerRefit:
 
     def info(self) -> dict:
         return {"address": self.receiver.address, "token": self.receiver.token.hex(),
-                "slow_path": len(self.engine.slow_path), **self.receiver.status()}
+                "slow_path": len(self.engine.slow_path), "units": len(self.engine.units), **self.receiver.status()}
 
     def receive(self, refits: int = 1) -> dict:
         with torch.no_grad():
