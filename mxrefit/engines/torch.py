@@ -4,7 +4,8 @@ Destination names are the module's own parameter names, so an HF model receives 
 as they are. Storage is written in place: parameter objects and their data pointers never
 change across refits. Parameters that share storage (tied embeddings) are one destination.
 
-With ``quant`` set, every eligible weight (``mxrefit.eligibility``) is held quantized, as
+With ``quant`` set, every weight that ``rules`` quantize (``mxrefit.eligibility.QuantRules``,
+by default all linear and expert weights but ``lm_head`` and the router) is held quantized, as
 vLLM's layers hold it: the parameter ``<attr>`` is replaced by an E4M3 buffer ``<attr>`` plus
 a scale buffer on the same module, initialised by quantizing the current weight:
 - ``"mxfp8"``: ``<attr>_scale``, uint8 [..., K/32] (ModelOpt MXFP8's name);
@@ -23,7 +24,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from mxrefit.eligibility import ELIGIBLE, Rule
+from mxrefit.eligibility import DEFAULT_RULES, QuantRules, layer_of
 from mxrefit.engines.base import Destination, Engine, ParamSpec, Target
 from mxrefit.formats import fp8_block, mxfp8
 
@@ -59,11 +60,11 @@ class TorchEngine(Engine):
         *,
         quant: str | None = None,
         mxfp8: bool = False,
-        eligible: Rule | None = None,
+        rules: QuantRules = DEFAULT_RULES,
     ):
         """``quant``: None (every parameter as it is), ``"mxfp8"``, ``"fp8-block"`` or
-        ``"fp8-block-ue8m0"``; ``mxfp8=True`` is short for ``quant="mxfp8"``. ``eligible``
-        overrides the format's default rule for which weights are quantized."""
+        ``"fp8-block-ue8m0"``; ``mxfp8=True`` is short for ``quant="mxfp8"``. ``rules`` decide
+        which weights are quantized (the same rules a trainer can check the plan with)."""
         if mxfp8:
             if quant not in (None, "mxfp8"):
                 raise ValueError(f"mxfp8=True and quant={quant!r} disagree; pass quant alone")
@@ -72,19 +73,21 @@ class TorchEngine(Engine):
             raise ValueError(f"quant must be None or one of {sorted(HELD)}, got {quant!r}")
         self.module = module
         self.quant = quant
-        rule = eligible if eligible is not None else ELIGIBLE.get(quant)
+        self.rules = rules
         self._tensors: dict[str, torch.Tensor] = {}
         self._destinations: dict[str, Destination] = {}
         seen_storage: dict[int, str] = {}
         self.aliases: dict[str, str] = {}
-        for name, param in list(module.named_parameters(remove_duplicate=False)):
+        named = list(module.named_parameters(remove_duplicate=False))
+        quantized = rules.decide((n, tuple(p.shape)) for n, p in named) if quant is not None else {}
+        for name, param in named:
             key = param.untyped_storage().data_ptr()
             if key in seen_storage:
                 self.aliases[name] = seen_storage[key]
                 continue
             seen_storage[key] = name
             shape = tuple(param.shape)
-            if quant is not None and rule(name, shape):
+            if quantized.get(name):
                 self._hold_quantized(name, param, HELD[quant])
             else:
                 self._tensors[name] = param.data
@@ -93,8 +96,12 @@ class TorchEngine(Engine):
     def _hold_quantized(self, name: str, param: nn.Parameter, held: _Held) -> None:
         owner_name, _, attr = name.rpartition(".")
         owner = self.module.get_submodule(owner_name) if owner_name else self.module
-        with torch.no_grad():
-            values, scales = held.quantize(param.data, name)
+        try:
+            with torch.no_grad():
+                values, scales = held.quantize(param.data, name)
+        except ValueError as err:
+            raise ValueError(f"{err}; the rules quantize its layer {layer_of(name)!r}: add it to QuantRules.ignore "
+                             f"to keep it BF16") from None
         delattr(owner, attr)
         owner.register_buffer(attr, values)
         owner.register_buffer(f"{attr}{held.scale_suffix}", scales)

@@ -22,7 +22,8 @@ compares ``named_parameters()`` and loads bytes through vLLM's own ``load_weight
 - The router ``mlp.gate.weight [E, H]`` (``GateLinear``, ``qwen3_moe.py:170``) is registered
   before the experts and stays BF16; so do the norms, ``embed_tokens`` and ``lm_head``. vLLM
   quantizes ``lm_head`` and the router unless the checkpoint's ``exclude_modules`` lists them
-  (``lm_head``, ``model.layers.*.mlp.gate``): the project's MXFP8 config always does.
+  (``lm_head``, ``model.layers.*.mlp.gate``): the project's MXFP8 config always does. Which
+  other layers stay BF16 is ``mxrefit.eligibility.QuantRules`` (exported as that config).
 - ModelOpt MXFP8 (``layers/quantization/modelopt.py``): a linear layer gets ``weight``
   (``float8_e4m3fn [N, K]``) and ``weight_scale`` (``uint8 [N, K/32]``), ``KMxfp8Static``
   (lines 2271-2322); MoE gets ``w13_weight``, ``w2_weight``, ``w13_weight_scale
@@ -49,6 +50,7 @@ from collections.abc import Collection
 
 import torch
 
+from mxrefit.eligibility import DEFAULT_RULES, QuantRules
 from mxrefit.engines.base import Destination, ParamSpec, Target
 from mxrefit.formats.mxfp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE
 from mxrefit.shapes import DTYPE, ModelShape, hf_tensor_specs
@@ -82,50 +84,75 @@ def _linear_params(shape: ModelShape) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
-def quantized_param_names(shape: ModelShape) -> list[str]:
+def _layer(param: str) -> str:
+    """The vLLM layer (module) that owns a weight parameter, as quantization configs name it."""
+    if f".{EXPERTS}." in param:
+        return param.split(f".{EXPERTS}.")[0] + ".mlp.experts"
+    return param.removesuffix(".weight")
+
+
+def quantized_param_names(shape: ModelShape, rules: QuantRules = DEFAULT_RULES) -> list[str]:
     """The values parameters that are MXFP8 in an MXFP8 engine; each has a ``scale_param``.
 
-    Everything else (router, norms, embed_tokens, lm_head) stays BF16.
+    These are the linear and expert weights whose layer ``rules`` do not exclude; everything
+    else (router, norms, embed_tokens, lm_head, excluded layers) stays BF16.
     """
-    return [n for n, _ in _linear_params(shape)]
+    return [n for n, _ in _linear_params(shape) if not rules.excludes_layer(_layer(n), shape.layers)]
 
 
-def _quantized(shape: ModelShape, mxfp8: bool, quantized: Collection[str] | None) -> set[str]:
-    """The values params held as MXFP8: all linear weights, or the given subset of them."""
+def _quantized(shape: ModelShape, mxfp8: bool, quantized: Collection[str] | None, rules: QuantRules) -> set[str]:
+    """The values params held as MXFP8: the given subset of the linear weights (a live engine's
+    own), else those whose layer ``rules`` quantize."""
     if not mxfp8:
         return set()
-    names = set(quantized_param_names(shape))
     if quantized is None:
-        return names
-    unknown = set(quantized) - names
+        _check_rules(shape, rules)
+        return set(quantized_param_names(shape, rules))
+    unknown = set(quantized) - {n for n, _ in _linear_params(shape)}
     if unknown:
         raise ValueError(f"{shape.name}: {sorted(unknown)[:5]} are not quantizable linear weights of this layout")
     return set(quantized)
 
 
-def _check(shape: ModelShape, mxfp8: bool) -> None:
+def _check_rules(shape: ModelShape, rules: QuantRules) -> None:
+    """This layout keeps lm_head and the router BF16: rules that vLLM would read otherwise are refused."""
+    if rules.format != FORMAT_MXFP8:
+        raise ValueError(f"{shape.name}: rules for {rules.quant_algo} given to an MXFP8 layout")
+    kept = ["lm_head"] + ([f"model.layers.{i}.mlp.gate" for i in range(shape.layers)] if shape.is_moe else [])
+    quantized = [layer for layer in kept if not rules.excludes_layer(layer, shape.layers)]
+    if quantized:
+        raise ValueError(
+            f"{shape.name}: the rules (exclude_modules {rules.exclude_modules(shape.layers)}) would make vLLM "
+            f"quantize {quantized[:3]}{' ...' if len(quantized) > 3 else ''}; this layout keeps lm_head and the "
+            f"MoE router BF16, so the rules must exclude them"
+        )
+
+
+def _check(shape: ModelShape, held: set[str]) -> None:
     if (shape.vocab * shape.tp_share) % VOCAB_PADDING:
         raise ValueError(
             f"{shape.name}: vLLM pads the vocabulary ({shape.vocab * shape.tp_share}) to a multiple of "
             f"{VOCAB_PADDING}; the padding rows of embed_tokens/lm_head have no trainer tensor, which "
             f"this layout does not model"
         )
-    if mxfp8:
-        for name, s in _linear_params(shape):
-            if s[-1] % BLOCK:
-                raise ValueError(f"{shape.name}: {name} has K={s[-1]}, not a multiple of the MXFP8 block {BLOCK}")
+    for name, s in _linear_params(shape):
+        if name in held and s[-1] % BLOCK:
+            raise ValueError(f"{shape.name}: {name} has K={s[-1]}, not a multiple of the MXFP8 block {BLOCK}")
 
 
-def vllm_params(shape: ModelShape, *, mxfp8: bool, quantized: Collection[str] | None = None) -> dict[str, ParamSpec]:
+def vllm_params(
+    shape: ModelShape, *, mxfp8: bool, quantized: Collection[str] | None = None, rules: QuantRules = DEFAULT_RULES
+) -> dict[str, ParamSpec]:
     """Every weight parameter of vLLM's model, by name, in ``named_parameters()`` order.
 
-    ``quantized`` narrows which linear weights are MXFP8 (default: all of them when
-    ``mxfp8``), for checkpoints whose ``exclude_modules`` keep some layers in BF16.
+    With ``mxfp8`` the layers that ``rules`` quantize hold E4M3 values plus uint8 scales, as vLLM
+    builds them from ``rules.to_hf_quant_config``; excluded layers keep BF16 weights.
+    ``quantized`` instead names the MXFP8 linear weights directly (a live engine's own set).
     """
-    _check(shape, mxfp8)
+    held = _quantized(shape, mxfp8, quantized, rules)
+    _check(shape, held)
     h, hd = shape.hidden, shape.head_dim
     linear = dict(_linear_params(shape))
-    held = _quantized(shape, mxfp8, quantized)
     out: dict[str, ParamSpec] = {}
 
     def add(name: str, shp: tuple[int, ...], dtype: torch.dtype = DTYPE) -> None:
@@ -205,15 +232,18 @@ def _route(shape: ModelShape, hf_name: str) -> tuple[str, int]:
     return hf_name, 0
 
 
-def vllm_destinations(shape: ModelShape, *, mxfp8: bool, experts: str = "per_expert",
-                      quantized: Collection[str] | None = None) -> dict[str, Destination]:
+def vllm_destinations(
+    shape: ModelShape, *, mxfp8: bool, experts: str = "per_expert", quantized: Collection[str] | None = None,
+    rules: QuantRules = DEFAULT_RULES,
+) -> dict[str, Destination]:
     """For each HF tensor of ``hf_tensor_specs(shape, experts=experts)``, where its bytes go.
 
-    A tensor landing in a quantized parameter (``mxfp8=True``) is sent as format ``"mxfp8"``
-    with two targets, values then scales; every other tensor is ``"bf16"`` with one target.
+    A tensor landing in a quantized parameter (``mxfp8=True``, its layer not excluded by
+    ``rules``) is sent as format ``"mxfp8"`` with two targets, values then scales; every other
+    tensor is ``"bf16"`` with one target.
     """
-    params = vllm_params(shape, mxfp8=mxfp8, quantized=quantized)
-    quantized = _quantized(shape, mxfp8, quantized)
+    params = vllm_params(shape, mxfp8=mxfp8, quantized=quantized, rules=rules)
+    quantized = _quantized(shape, mxfp8, quantized, rules)
     out: dict[str, Destination] = {}
     for name, src_shape, _ in hf_tensor_specs(shape, experts=experts):
         param, row = _route(shape, name)
