@@ -29,6 +29,7 @@ import torch
 
 from mxrefit.bytesum import ByteSum
 from mxrefit.devices import resolve
+from mxrefit.eligibility import QuantRules, check_rules
 from mxrefit.finite_check import FiniteCheck
 from mxrefit.formats import get_format, mxfp8
 from mxrefit.plan import DEFAULT_BUCKET_BYTES, PlanMismatch, RefitPlan, SourceSpec, build_plan, sources_to_msg, tables_from_msg
@@ -89,12 +90,16 @@ class Sender:
         timeout_s: float = 60.0,
         check_finite: bool = True,
         verify: bool = False,
+        rules: QuantRules | None = None,
     ):
         """``verify``: per-bucket integrity sums (``mxrefit.bytesum``) checked by the engine
-        before it applies a bucket; a mismatch fails the refit with the bucket named."""
+        before it applies a bucket; a mismatch fails the refit with the bucket named.
+        ``rules``: the trainer's own quantization rules; the plan is refused (PlanMismatch naming
+        each tensor) where the engine's tables quantize differently."""
         if transport is not None and transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS} or None, got {transport!r}")
         self.device = resolve(device)
+        self.rules = rules
         self.bucket_bytes = bucket_bytes
         self.slots = slots
         self.requested_transport = transport
@@ -147,6 +152,8 @@ class Sender:
         if self._tables is None:
             self.connect()
         params, destinations = self._tables
+        if self.rules is not None:
+            check_rules(self.rules, destinations)
         plan = build_plan(list(specs), params, destinations, bucket_bytes=self.bucket_bytes, slots=self.slots)
         transport = self._choose_transport()
         msg = {"op": "plan", "sources": sources_to_msg(plan.sources), "bucket_bytes": plan.bucket_bytes,

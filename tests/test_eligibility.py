@@ -18,8 +18,10 @@ import models
 from mxrefit.eligibility import DEFAULT_RULES, QuantRules, check_rules, layer_count, layer_excluded, layer_of
 from mxrefit.engines.torch import TorchEngine
 from mxrefit.engines.vllm_layout import coverage_check, quantized_param_names, vllm_destinations, vllm_params
-from mxrefit.plan import PlanMismatch
+from mxrefit.plan import PlanMismatch, SourceSpec
+from mxrefit.sender import Sender
 from mxrefit.shapes import ModelShape, hf_tensor_specs
+from trainer_procs import EngineProcess
 
 F8, U8, BF16 = torch.float8_e4m3fn, torch.uint8, torch.bfloat16
 
@@ -292,6 +294,24 @@ def test_check_rules_names_every_disagreeing_tensor():
                                   "the engine holds it as bf16"]
     with pytest.raises(PlanMismatch, match="not every shard"):
         check_rules(QuantRules(ignore=("model.layers.1.self_attn.k_proj",)), engine.destinations())
+
+
+def test_sender_with_rules_refuses_a_disagreeing_engine_before_any_write():
+    trainer = models.tiny_qwen3_moe(seed=5)
+    specs = [SourceSpec(n, tuple(p.shape), p.dtype) for n, p in trainer.named_parameters()]
+    engine = EngineProcess({"kind": "torch", "model": "moe", "mxfp8": True, "rules": {"bf16_last_layers": 1}})
+    sender = Sender(engine.address, engine.token, rules=QuantRules())
+    try:
+        with pytest.raises(PlanMismatch) as err:
+            sender.plan(specs)
+        assert len(err.value.problems) == 6 and all("model.layers.1." in p for p in err.value.problems)
+        assert sender.status() == {"version": 0, "state": "ready", "error": None}
+        agreeing = Sender(engine.address, engine.token, rules=QuantRules(bf16_last_layers=1))
+        agreeing.refit({n: p.detach() for n, p in trainer.named_parameters()})
+        assert agreeing.status()["version"] == 1
+        agreeing.close()
+    finally:
+        engine.stop(sender)
 
 
 # ---- vLLM builds exactly these layers from the exported config -----------------------------------
