@@ -19,11 +19,11 @@ from trainer_procs import EngineProcess, expected_mismatches, fsdp2_memory_rank,
 
 
 def _refit(engine: EngineProcess, source: HFSource, **kw) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Plan from the stream's specs, refit from the stream; returns (destinations, engine bytes)."""
+    """Plan from the stream's specs, refit from the stream itself; returns (destinations, engine bytes)."""
     sender = Sender(engine.address, engine.token, bucket_bytes=32 << 10, **kw)
     try:
         sender.plan(source.specs())
-        report = sender.refit(dict(source))
+        report = sender.refit(source)
         assert report.version == 1 and sender.status()["state"] == "ready"
         destinations = sender._tables[1]
     except BaseException:
@@ -134,7 +134,7 @@ def test_precision_gate_refuses_at_plan_time_and_accepts_wider_floats():
         wide = models.tiny_qwen3_moe(seed=9, dtype=torch.float32)
         source = HFSource(wide)
         sender.plan(source.specs())
-        sender.refit(dict(source))
+        sender.refit(source)
         dests = sender._tables[1]
     except BaseException:
         engine.stop(sender)

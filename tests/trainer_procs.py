@@ -160,7 +160,7 @@ def fsdp2_refit_rank(rank: int, world: int, rdzv: str, seed: int, engine: dict, 
         if rank == 0:
             sender = Sender(engine["address"], engine["token"], bucket_bytes=64 << 10)
             sender.plan(source.specs())
-            report = sender.refit(dict(source))
+            report = sender.refit(source)  # streamed: one gathered parameter at a time
             sender.close(shutdown_engine=True)
             with open(os.path.join(out_dir, "rank0.json"), "w") as f:
                 json.dump({"version": report.version, "buckets": report.buckets, "sharded": sharded,
