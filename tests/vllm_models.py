@@ -103,13 +103,14 @@ def vllm_prompt_logprobs(llm, prompts=PROMPTS) -> list[list[float]]:
 
 def dequantized_copy(model):
     """The trainer model as an MXFP8 engine holds it: eligible weights through quantize/dequantize."""
-    from mxrefit.eligibility import mxfp8_eligible
+    from mxrefit.eligibility import DEFAULT_RULES
     from mxrefit.formats import mxfp8
 
     ref = copy.deepcopy(model)
+    quantized = DEFAULT_RULES.decide((n, tuple(p.shape)) for n, p in ref.named_parameters())
     with torch.no_grad():
         for name, p in ref.named_parameters():
-            if mxfp8_eligible(name, tuple(p.shape)):
+            if quantized[name]:
                 p.copy_(mxfp8.dequantize(*mxfp8.quantize(p.detach(), backend="torch")))
     return ref
 
