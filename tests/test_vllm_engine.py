@@ -100,6 +100,22 @@ def test_per_expert_trainer_names_land_identically(moe_engine, tmp_path):
     _assert_matches(llm, trainer)
 
 
+def test_prequantization_asked_of_a_bf16_engine_is_refused_naming_the_layers(moe_engine):
+    """The trainer's rules say MXFP8; this vLLM holds every layer in BF16: refused at plan time."""
+    from mxrefit.eligibility import QuantRules
+    from mxrefit.plan import PlanMismatch
+
+    llm, _ = moe_engine
+    info = llm.collective_rpc("mxrefit_init", kwargs={"experts": "grouped"})[0]
+    sender = Sender(info["address"], bytes.fromhex(info["token"]), rules=QuantRules())
+    try:
+        with pytest.raises(PlanMismatch, match=r"layers\.0\.self_attn\.q_proj.*rules quantize it.*bf16"):
+            _refit(llm, sender, vm.qwen3_moe(seed=7))
+        assert llm.collective_rpc("mxrefit_status")[0]["state"] == "ready"
+    finally:
+        sender.close()
+
+
 def test_a_trainer_in_the_wrong_expert_layout_is_told_so(moe_engine):
     llm, _ = moe_engine
     info = llm.collective_rpc("mxrefit_init", kwargs={"experts": "per_expert"})[0]
@@ -108,6 +124,7 @@ def test_a_trainer_in_the_wrong_expert_layout_is_told_so(moe_engine):
     try:
         with pytest.raises(Exception, match="expert layout"):
             _refit(llm, sender, trainer)
+        assert llm.collective_rpc("mxrefit_status")[0]["state"] == "ready"  # the worker is free again
     finally:
         sender.close()
 

@@ -569,6 +569,15 @@ def refit_while(serve, sender, tensors, *, specs=None):
         if sender.plan_ is None and specs is not None:
             sender.plan(specs)
         report = sender.refit(tensors)
+    except BaseException:
+        # refused before "begin" (plan mismatch, NaN/Inf): the engine still serves; end that
+        # serve so the worker is free for the next RPC, and report the trainer's error
+        if thread.is_alive():
+            try:
+                sender.client.request({"op": "shutdown"}, 10.0, step="ending the engine's serve after a refused refit")
+            except Exception:  # noqa: BLE001 - the trainer's own error is the one to report
+                pass
+        raise
     finally:
         thread.join(sender.timeout_s + 30)
     if errors:
