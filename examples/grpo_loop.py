@@ -59,7 +59,9 @@ def reward(completion: list[int]) -> float:
 def tiny_qwen3(seed: int) -> torch.nn.Module:
     """A 2-layer Qwen3 built from a config (random init): dense, so vLLM's CPU build runs it in MXFP8 too."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     torch.manual_seed(seed)
     cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=128,
@@ -152,9 +154,11 @@ def serve_rollouts(conn, path: str, fmt: str, device: str) -> None:
     """The engine process: refits arrive through mxrefit, sampling requests over ``conn`` (msgpack)."""
     import msgpack
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     from mxrefit.receiver import Receiver
 
+    hf_logging.disable_progress_bar()
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
