@@ -78,26 +78,36 @@ class Group:
 
 
 # ---- rollout engine 1: vLLM with mxrefit's worker extension --------------------------------
+def start_vllm(path: str, device: str, seed: int):
+    """A small ``vllm.LLM`` whose worker runs mxrefit's extension (methods called by name)."""
+    from vllm import LLM
+
+    return LLM(model=path, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, seed=seed,
+               gpu_memory_utilization=0.05 if device == "cpu" else 0.3, max_model_len=64, max_num_seqs=64,
+               worker_extension_cls="mxrefit.engines.vllm.RefitWorkerExtension")
+
+
+def vllm_sample(llm, prompts: list[list[int]], n: int, max_tokens: int, seed: int) -> list[Group]:
+    """``n`` completions per prompt at temperature 1 and the sampled tokens' log-probabilities."""
+    from vllm import SamplingParams
+
+    params = [SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0,
+                             seed=seed + i * n) for i in range(len(prompts))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [Group([list(c.token_ids) for c in o.outputs],
+                  [[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)] for c in o.outputs]) for o in outs]
+
+
 class VllmRollout:
     def __init__(self, path: str, device: str, seed: int):
-        from vllm import LLM
-
         from mxrefit.sender import Sender
 
-        self.llm = LLM(model=path, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, seed=seed,
-                       gpu_memory_utilization=0.05 if device == "cpu" else 0.3, max_model_len=64, max_num_seqs=64,
-                       worker_extension_cls="mxrefit.engines.vllm.RefitWorkerExtension")
+        self.llm = start_vllm(path, device, seed)
         info = self.llm.collective_rpc("mxrefit_init")[0]  # engine tables built once, control socket opened
         self.sender = Sender(info["address"], bytes.fromhex(info["token"]), device=device)
 
     def generate(self, prompts: list[list[int]], n: int, max_tokens: int, seed: int) -> list[Group]:
-        from vllm import SamplingParams
-
-        params = [SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0,
-                                 seed=seed + i * n) for i in range(len(prompts))]
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return [Group([list(c.token_ids) for c in o.outputs],
-                      [[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)] for c in o.outputs]) for o in outs]
+        return vllm_sample(self.llm, prompts, n, max_tokens, seed)
 
     def refit(self, weights: dict[str, torch.Tensor]):
         from mxrefit.engines.vllm import refit_while
@@ -136,7 +146,7 @@ def _rollout_engine_class():
 
 
 @torch.no_grad()
-def _sample(model: torch.nn.Module, prompt: list[int], n: int, max_tokens: int, seed: int) -> Group:
+def hf_sample(model: torch.nn.Module, prompt: list[int], n: int, max_tokens: int, seed: int) -> Group:
     """``n`` completions at temperature 1 (no top-k/top-p) and each sampled token's raw log-probability."""
     device = next(model.parameters()).device
     torch.manual_seed(seed)
@@ -169,7 +179,7 @@ def serve_rollouts(conn, path: str, fmt: str, device: str) -> None:
         while True:
             msg = msgpack.unpackb(conn.recv_bytes())
             if msg["op"] == "generate":
-                groups = [_sample(model, p, msg["n"], msg["max_tokens"], msg["seed"] + i * msg["n"])
+                groups = [hf_sample(model, p, msg["n"], msg["max_tokens"], msg["seed"] + i * msg["n"])
                           for i, p in enumerate(msg["prompts"])]
                 conn.send_bytes(msgpack.packb([asdict(g) for g in groups]))
             elif msg["op"] == "refit":

