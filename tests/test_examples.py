@@ -73,12 +73,13 @@ def policy_bytes(fmt: str) -> int:
     """Bytes the example's policy takes in the engine's format."""
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     import grpo_loop
-    from mxrefit.eligibility import mxfp8_eligible
+    from mxrefit.eligibility import DEFAULT_RULES
 
+    params = dict(grpo_loop.tiny_qwen3(0).named_parameters())
+    quantized = DEFAULT_RULES.decide((n, tuple(p.shape)) for n, p in params.items())
     total = 0
-    for name, p in grpo_loop.tiny_qwen3(0).named_parameters():
-        quantized = fmt == "mxfp8" and mxfp8_eligible(name, tuple(p.shape))
-        total += p.numel() + p.numel() // 32 if quantized else 2 * p.numel()
+    for name, p in params.items():
+        total += p.numel() + p.numel() // 32 if fmt == "mxfp8" and quantized[name] else 2 * p.numel()
     return total
 
 
