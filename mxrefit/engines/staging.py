@@ -87,6 +87,13 @@ class StagingPool:
         self._due: dict[int, list[int]] = {}
         self.pool_bytes = 0
 
+    def release(self) -> None:
+        """Drop the pool now (shared memory is unlinked once no view is left), not at garbage collection."""
+        self._views = {}
+        self._due = {}
+        self._pool = None
+        self.pool_bytes = 0
+
     def staged(self, param: str) -> bool:
         return param in self._unit_of
 

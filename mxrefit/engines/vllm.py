@@ -401,6 +401,7 @@ class _WorkerRefit:
 
     def close(self) -> None:
         self.receiver.close()
+        self.engine.pool.release()
 
 
 class RefitWorkerExtension:
@@ -493,6 +494,7 @@ def _engine_classes():
             receiver = getattr(self, "receiver", None)
             if receiver is not None:
                 receiver.close()
+                receiver.engine.pool.release()
                 self.receiver = None
 
     @dataclass
