@@ -6,6 +6,11 @@ An engine is described by two tables, built once from the live model:
 - ``destinations``: every trainer (HF) tensor name -> its format and, for each encoded part
   (values, scales), a ``Target``: a contiguous byte range of one parameter.
 Both are plain data, so they cross the control channel as msgpack.
+
+An engine rank that holds only a slice of some parameters (tensor or expert parallelism)
+still describes the WHOLE parameters in both tables, so every rank of a multi-rank engine
+builds the same plan (one digest for all, full tensors on the wire); ``shards`` then says,
+per parameter, which slice this rank stores, and the receiver copies only those bytes.
 """
 
 from __future__ import annotations
@@ -55,6 +60,26 @@ class ParamSpec:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
+@dataclass(frozen=True)
+class Shard:
+    """The slice of a whole parameter that one engine rank stores.
+
+    Along ``dim`` the rank's tensor has ``size`` indices (every other dim is whole); each
+    piece ``(start, stop, at)`` puts the whole parameter's indices ``[start, stop)`` at the
+    rank's indices ``[at, at + stop - start)``. Column-parallel rows (q/k/v, gate/up) are
+    pieces along dim 0 (two pieces for a fused [gate; up]), row-parallel columns (o_proj,
+    down_proj) one piece along the last dim, expert parallelism one piece along the expert dim.
+    """
+
+    dim: int
+    size: int
+    pieces: tuple[tuple[int, int, int], ...]
+
+    def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The rank's tensor shape for a whole parameter of ``shape``."""
+        return (*shape[: self.dim], self.size, *shape[self.dim + 1 :])
+
+
 class Engine(ABC):
     """The receiving side's model: tables once, storage views once, hooks as bytes land.
 
@@ -85,6 +110,10 @@ class Engine(ABC):
 
     def after_refit(self, version: int) -> None:
         """Post-load processing once every byte of a refit has landed (layout shuffles, ...)."""
+
+    def shards(self) -> dict[str, Shard]:
+        """Parameters this rank holds only a slice of (``storage`` is then the slice's bytes)."""
+        return {}
 
     def read(self, param: str) -> torch.Tensor:
         """The parameter's bytes as the engine serves them (after any processing), flat uint8."""
