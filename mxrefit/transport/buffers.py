@@ -5,8 +5,12 @@ known source of leaked memory. The owner (trainer) creates ``count`` flat uint8 
 ``nbytes`` each and sends ``describe()`` (plain msgpack-able data) over the control channel; the
 peer (engine) calls ``open_buffers`` on it and keeps the result for the whole session.
 
-Two kinds: ``"shm"`` (POSIX shared memory, CPU) and ``"cuda_ipc"`` (CUDA IPC of device memory).
-The buffers give shared memory, not ordering: who writes when is the control protocol's job.
+Kinds: ``"shm"`` (POSIX shared memory, CPU) and ``"cuda_ipc"`` (CUDA IPC of device memory) share
+memory; ``"broadcast"`` (``mxrefit.transport.broadcast``) gives each side its own slots and moves
+a bucket's bytes by a collective when the trainer ``publish``-es it and the engine ``fetch``-es it.
+Those two hooks (and ``acquire``) do nothing for shared memory, so the refit loop is one code
+path for every kind. The buffers give memory, not ordering: who writes when is the control
+protocol's job.
 """
 
 from __future__ import annotations
@@ -17,8 +21,14 @@ from typing import Any
 import torch
 
 KINDS = ("shm", "cuda_ipc")
+PEER_KINDS = (*KINDS, "broadcast")
 MAX_BUFFERS = 1024
 MAX_BUFFER_BYTES = 1 << 44
+
+
+class TransportError(RuntimeError):
+    """The data path failed (a peer lost mid-transfer, a collective timed out): the refit
+    cannot go on over it, and a new plan must wire a new one."""
 
 
 class TransferBuffers(ABC):
@@ -35,6 +45,12 @@ class TransferBuffers(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release the buffers; tensors still referenced elsewhere stay valid until dropped."""
+
+    def acquire(self, slot: int) -> None:
+        """The trainer is about to write ``slot`` again: wait until nothing still reads it."""
+
+    def publish(self, slot: int, nbytes: int) -> None:
+        """The trainer wrote the first ``nbytes`` of ``slot``: start moving them to the peers."""
 
     def __enter__(self) -> TransferBuffers:
         return self
@@ -53,6 +69,9 @@ class OpenedBuffers(ABC):
     @abstractmethod
     def close(self) -> None:
         """Drop this process's mapping; never destroys the owner's buffers."""
+
+    def fetch(self, slot: int, nbytes: int) -> None:
+        """Before the engine reads ``slot``: make the owner's first ``nbytes`` of it present here."""
 
     def __enter__(self) -> OpenedBuffers:
         return self
@@ -121,4 +140,16 @@ def open_buffers(desc: dict[str, Any], device: torch.device | str | None = None)
         from mxrefit.transport.cuda_ipc import open_cuda_ipc
 
         return open_cuda_ipc(desc, device)
-    raise ValueError(f"unknown transfer buffer kind {kind!r:.100}; expected one of {KINDS}")
+    if kind == "broadcast":
+        from mxrefit.transport.broadcast import open_broadcast
+
+        return open_broadcast(desc, device)
+    raise ValueError(f"unknown transfer buffer kind {kind!r:.100}; expected one of {PEER_KINDS}")
+
+
+def decline_buffers(desc: Any, why: str) -> None:
+    """The peer will not open these buffers (it refused the plan): tell an owner that waits for it."""
+    if isinstance(desc, dict) and desc.get("kind") == "broadcast":
+        from mxrefit.transport.broadcast import decline_broadcast
+
+        decline_broadcast(desc, why)
