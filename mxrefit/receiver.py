@@ -24,8 +24,9 @@ import torch
 
 from mxrefit.bytesum import ByteSum
 from mxrefit.engines.base import Engine
+from mxrefit.engines.shards import check_shards, local_nbytes, run_copies, strided
 from mxrefit.plan import PlanMismatch, RefitPlan, align, build_plan, sources_from_msg, tables_to_msg
-from mxrefit.transport.buffers import OpenedBuffers, open_buffers
+from mxrefit.transport.buffers import OpenedBuffers, TransportError, decline_buffers, open_buffers
 from mxrefit.transport.control import ControlError, ControlServer, PeerTimeout
 from mxrefit.transport.exports import allocate, export_tensors
 
@@ -37,6 +38,7 @@ class ReceiveStats:
     """Per-refit engine-side timings, seconds."""
 
     version: int
+    fetch_s: float = 0.0
     apply_s: float = 0.0
     process_s: float = 0.0
     after_refit_s: float = 0.0
@@ -54,13 +56,13 @@ class _Applier:
     nbytes: int = 0
 
     @classmethod
-    def runs(cls, runs, src_of, dst: dict[str, torch.Tensor]) -> "_Applier":
-        """Copies of ``runs`` from ``src_of(run)`` into the run's range of ``dst[param]``."""
+    def copies(cls, copies, src_of, dst: dict[str, torch.Tensor]) -> "_Applier":
+        """``copies`` = (run, Copy) pairs: each from ``src_of(run, copy)`` into its place in ``dst[run.param]``."""
         app = cls()
-        for r in runs:
-            app.srcs.append(src_of(r))
-            app.dsts.append(dst[r.param][r.param_offset : r.param_offset + r.nbytes])
-            app.nbytes += r.nbytes
+        for r, c in copies:
+            app.srcs.append(src_of(r, c))
+            app.dsts.append(strided(dst[r.param], c.dst, c.dst_pitch, c.rows, c.width))
+            app.nbytes += c.rows * c.width
         return app
 
     def __call__(self) -> None:
@@ -74,18 +76,24 @@ class _Applier:
 
 
 class Receiver:
+    """The engine side. The control server listens on a private Unix socket by default; an engine
+    rank on another node than its trainer needs ``address="tcp://<host>:<port>"`` with
+    ``allow_remote=True`` (the token then crosses that network in clear)."""
+
     def __init__(self, engine: Engine, *, address: str | None = None, token: bytes | None = None, tcp: bool = False,
-                 timeout_s: float = 60.0, transactional: bool = False):
+                 timeout_s: float = 60.0, transactional: bool = False, allow_remote: bool = False):
         self.engine = engine
         self.transactional = transactional
         self.timeout_s = timeout_s
-        self.server = ControlServer(address, token=token, tcp=tcp)
+        self.server = ControlServer(address, token=token, tcp=tcp, allow_remote=allow_remote)
         self.version = 0
         self.state = "ready"
         self.last_error: str | None = None
         self.history: list[ReceiveStats] = []
         self._params = engine.params()
         self._destinations = engine.destinations()
+        self._shards = engine.shards()
+        check_shards(self._params, self._destinations, self._shards)
         self._plan: RefitPlan | None = None
         self._buffers: OpenedBuffers | None = None
         self._appliers: list[_Applier] = []
@@ -123,11 +131,14 @@ class Receiver:
     def _answer_setup(self, msg: dict) -> None:
         op = msg.get("op")
         if op == "hello":
+            exportable = bool(self.engine.exportable) and not self._shards  # direct writes are whole tensors
             self._reply({"op": "tables", **tables_to_msg(self._params, self._destinations), **self.status(),
-                              "exportable": bool(self.engine.exportable), "device": self.engine.device.type})
+                         "exportable": exportable, "device": self.engine.device.type})
         elif op == "plan":
             try:
                 reply = self._adopt_plan(msg)
+            except TransportError as err:
+                self._reply({"op": "error", "kind": "transport", "problems": [str(err)]})
             except (PlanMismatch, ValueError, KeyError, TypeError) as err:
                 if isinstance(err, PlanMismatch):
                     problems = err.problems
@@ -135,11 +146,14 @@ class Receiver:
                     problems = [str(err)]
                 else:
                     problems = [f"malformed plan message ({type(err).__name__}: {err})"]
+                decline_buffers(msg.get("buffers"), "; ".join(problems))
                 self._reply({"op": "error", "kind": "plan_mismatch", "problems": problems})
             else:
                 self._reply(reply)
         elif op == "status":
             self._reply({"op": "status", **self.status()})
+        elif op == "abort":  # nothing in flight (a refit already ended); a trainer resyncing gets the status
+            self._reply({"op": "aborted", **self.status()})
         elif op == "checksum":
             self._reply({"op": "checksum", "sha256": self._checksums(msg.get("ranges", []))})
         else:
@@ -158,11 +172,20 @@ class Receiver:
         self._plan = None
         self.engine.prepare(plan)
         storage = {name: self.engine.storage(name) for name in self._params}
+        wrong = [f"{n!r}: {t.numel()} bytes, expected {local_nbytes(self._params[n], self._shards.get(n))}"
+                 for n, t in storage.items() if t.numel() != local_nbytes(self._params[n], self._shards.get(n))]
+        if wrong:
+            raise ValueError(f"engine storage does not match its tables: {'; '.join(wrong[:10])}")
         landing = self._shadow_of(storage) if self.transactional else storage
+        copies = [[(r, c) for r in b.runs for c in run_copies(r.offset, r.param_offset, r.nbytes, self._params[r.param],
+                                                               self._shards.get(r.param))] for b in plan.buckets]
         reply: dict = {"op": "planned", "digest": plan.digest}
         if transport == "direct":
             if not self.engine.exportable:
                 raise ValueError(f"this engine ({type(self.engine).__name__}) cannot export its storage; use buffers")
+            if self._shards:
+                raise ValueError("this engine rank holds slices of some parameters; direct writes place whole "
+                                 "tensors, so use buffers or broadcast")
             reply["exports"] = export_tensors(landing)
             self._appliers = [_Applier(nbytes=sum(r.nbytes for r in b.runs)) for b in plan.buckets]
         else:
@@ -170,16 +193,23 @@ class Receiver:
             bufs = self._buffers.buffers
             if len(bufs) != plan.slots or any(b.numel() < plan.bucket_bytes for b in bufs):
                 raise ValueError(f"trainer offered {len(bufs)} buffers, the plan needs {plan.slots} of {plan.bucket_bytes} bytes")
-            self._appliers = [_Applier.runs(b.runs, lambda r, b=b: bufs[b.slot][r.offset : r.offset + r.nbytes], landing)
-                              for b in plan.buckets]
+            self._appliers = [_Applier.copies(cs, lambda r, c, b=b: strided(bufs[b.slot], c.src, c.src_pitch, c.rows, c.width), landing)
+                              for b, cs in zip(plan.buckets, copies)]
         if self.transactional:
-            self._commits = [_Applier.runs(b.runs, lambda r: landing[r.param][r.param_offset : r.param_offset + r.nbytes], storage)
-                             for b in plan.buckets]
+            self._commits = [_Applier.copies(cs, lambda r, c: strided(landing[r.param], c.dst, c.dst_pitch, c.rows, c.width), storage)
+                             for cs in copies]
         if msg.get("verify"):
-            self._sums = [ByteSum([landing[r.param][r.param_offset : r.param_offset + r.nbytes] for r in b.runs])
-                          for b in plan.buckets]
+            self._sums = [ByteSum(self._verified_views(b, landing)) for b in plan.buckets]
         self._plan = plan
         return reply
+
+    def _verified_views(self, bucket, landing: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """What the integrity sums cover: the landed bytes of each run, or, on a rank holding
+        slices (which lands only part of a run), the run's bytes as they arrived in its slot."""
+        if self._shards:
+            slot = self._buffers.buffers[bucket.slot]
+            return [slot[r.offset : r.offset + r.nbytes] for r in bucket.runs]
+        return [landing[r.param][r.param_offset : r.param_offset + r.nbytes] for r in bucket.runs]
 
     def _shadow_of(self, storage: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """One exportable arena laid out like the engine's storage (reused across plans when it fits)."""
@@ -226,6 +256,16 @@ class Receiver:
                 deadline = time.monotonic() + self.timeout_s
                 if op == "ready" and int(msg.get("bucket", -1)) == expected and int(msg.get("version", -1)) == version:
                     t = time.perf_counter()
+                    try:
+                        self._fetch(expected)
+                    except TransportError as err:
+                        self._fail(f"refit to version {version}: bucket {expected} did not arrive: {err}")
+                        self._release_data_path()
+                        self._plan = None  # the data path is gone; the trainer must plan again
+                        self._reply({"op": "error", "kind": "transport", "problems": [self.last_error], **self.status()})
+                        return
+                    stats.fetch_s += time.perf_counter() - t
+                    t = time.perf_counter()
                     if not self.transactional:
                         self.state = "partial"
                     self._appliers[expected]()
@@ -254,7 +294,7 @@ class Receiver:
                     self.version, self.state, self.last_error = version, "ready", None
                     stats.wall_s = time.perf_counter() - start
                     self.history.append(stats)
-                    self._reply({"op": "committed", **self.status(), "apply_s": stats.apply_s,
+                    self._reply({"op": "committed", **self.status(), "fetch_s": stats.fetch_s, "apply_s": stats.apply_s,
                                       "process_s": stats.process_s, "after_refit_s": stats.after_refit_s})
                     return
                 elif op == "abort":
@@ -278,6 +318,12 @@ class Receiver:
             self.server.send(msg)
         except ControlError as err:
             log.warning("could not answer %r: %s", msg.get("op"), err)
+
+    def _fetch(self, bucket: int) -> None:
+        """Bring the bucket's bytes into our slot where the transport moves them (broadcast)."""
+        if self._buffers is not None:
+            b = self._plan.buckets[bucket]
+            self._buffers.fetch(b.slot, b.nbytes)
 
     def _sync(self) -> None:
         if self.engine.device.type == "cuda":
