@@ -6,6 +6,9 @@ Two data paths, chosen once at ``plan``:
   own bytes; no buffer on either side, no engine-side copy;
 - buffers (``cuda_ipc`` / ``shm``): parts are encoded into two persistent slots and the
   engine applies each bucket as one batched copy.
+  For engines on other GPUs or nodes, ``mxrefit.broadcast.BroadcastSender`` runs this same
+  loop over broadcast buffers: ``publish`` starts a collective per bucket, each engine rank
+  ``fetch``-es it into its own slot (``mxrefit.transport.broadcast``).
 Per step the work is: check the tensors are the planned ones (identity-cached), one
 non-finite screen over every tensor (``mxrefit.finite_check``), then per bucket one grouped
 launch per format + a "ready" message; the engine answers "applied" once the bucket's bytes
@@ -60,6 +63,7 @@ class RefitReport:
     pack_s: float = 0.0
     wait_s: float = 0.0
     total_s: float = 0.0
+    engine_fetch_s: float = 0.0
     engine_apply_s: float = 0.0
     engine_process_s: float = 0.0
     engine_after_refit_s: float = 0.0
@@ -107,7 +111,7 @@ class Sender:
         self.timeout_s = timeout_s
         self.check_finite = check_finite
         self.verify = verify
-        self.client = ControlClient(address, token)
+        self.client = self._make_client(address, token)
         self.address = address
         self.plan_: RefitPlan | None = None
         self.buffers: TransferBuffers | None = None
@@ -118,6 +122,9 @@ class Sender:
         self._last_sources: list[torch.Tensor] | None = None
 
     # ---- set-up, once ----------------------------------------------------------------------
+    def _make_client(self, address: str, token: bytes) -> ControlClient:
+        return ControlClient(address, token)
+
     def _request(self, msg: dict, step: str) -> dict:
         reply = self.client.request(msg, self.timeout_s, step=step)
         if reply.get("op") in ("error", "rejected"):
@@ -162,11 +169,9 @@ class Sender:
         if transport == "direct":
             msg["transport"] = "direct"
         else:
-            if self.buffers is None or self.buffers.nbytes < plan.bucket_bytes or len(self.buffers.buffers) != plan.slots:
-                self._close_data_path()
-                self.buffers = create_buffers(transport, plan.slots, plan.bucket_bytes, self.device)
-            msg.update(transport="buffers", buffers=self.buffers.describe())
-        reply = self._request(msg, "sending the plan")
+            self._ensure_buffers(transport, plan)
+            msg["transport"] = "buffers"
+        reply = self._send_plan(msg)
         if transport == "direct":
             self.exports = open_exports(reply["exports"], self.device if self.device.type == "cuda" else None)
         self.transport = transport
@@ -174,6 +179,18 @@ class Sender:
         self._last_sources = None
         self._build_encoders(plan)
         return plan
+
+    def _ensure_buffers(self, kind: str, plan: RefitPlan) -> None:
+        """Buffers for this plan: the current ones when they fit, else new ones."""
+        if self.buffers is None or self.buffers.nbytes < plan.bucket_bytes or len(self.buffers.buffers) != plan.slots:
+            self._close_data_path()
+            self.buffers = create_buffers(kind, plan.slots, plan.bucket_bytes, self.device)
+
+    def _send_plan(self, msg: dict) -> dict:
+        """Hand the plan (and the buffers' description) to the engine; its reply."""
+        if msg["transport"] == "buffers":
+            msg["buffers"] = self.buffers.describe()
+        return self._request(msg, "sending the plan")
 
     def _close_data_path(self, keep_buffers: bool = False) -> None:
         if self.exports is not None:
@@ -297,6 +314,8 @@ class Sender:
                 while acked < b.index - plan.slots + 1:
                     acked = self._await_applied(acked, version, report)
                 t = time.perf_counter()
+                if self.buffers is not None:
+                    self.buffers.acquire(b.slot)
                 if streaming:
                     for i, x in zip(b.sources, self._pull(stream, b, version, report)):
                         srcs[i] = x
@@ -313,6 +332,8 @@ class Sender:
                 if streaming:
                     for i in b.sources:
                         srcs[i] = None
+                if self.buffers is not None:
+                    self.buffers.publish(b.slot, b.nbytes)
                 self.client.send(self._ready(b, version))
             while acked < len(plan.buckets):
                 acked = self._await_applied(acked, version, report)
@@ -320,6 +341,7 @@ class Sender:
         except ControlError as err:
             raise RefitError(f"refit {version} failed: {err}", self._status_or_none()) from err
         self.engine_status = {"version": reply["version"], "state": reply["state"]}
+        report.engine_fetch_s = float(reply.get("fetch_s", 0.0))
         report.engine_apply_s = float(reply.get("apply_s", 0.0))
         report.engine_process_s = float(reply.get("process_s", 0.0))
         report.engine_after_refit_s = float(reply.get("after_refit_s", 0.0))
