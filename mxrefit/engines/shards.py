@@ -72,20 +72,23 @@ def _mxfp8_problems(dest: Destination, shards: Mapping[str, Shard], params: Mapp
         held, whole = (values, scales) if ss is None else (scales, values)
         return [f"tensor {dest.name!r}: this rank holds a slice of {held!r} but all of {whole!r}; "
                 f"MXFP8 values and scales must be sliced together"]
-    last = len(params[values].shape) - 1
-    expected = sv
-    if sv.dim == last:
-        edges = [e for p in sv.pieces for e in p] + [sv.size]
-        if any(e % BLOCK for e in edges):
-            cols = ", ".join(f"[{a}, {b})" for a, b, _ in sv.pieces)
-            return [f"tensor {dest.name!r}: this rank takes columns {cols} of {values!r} (rank size {sv.size}); "
-                    f"an MXFP8 column slice must start and end on multiples of {BLOCK} along K, since one "
-                    f"scale byte covers {BLOCK} values"]
-        expected = Shard(sv.dim, sv.size // BLOCK, tuple((a // BLOCK, b // BLOCK, c // BLOCK) for a, b, c in sv.pieces))
+    ndim = len(params[values].shape)
+    if sv.dim == ndim - 1 and any(e % BLOCK for p in sv.pieces for e in p):
+        cols = ", ".join(f"[{a}, {b})" for a, b, _ in sv.pieces)
+        return [f"tensor {dest.name!r}: this rank takes columns {cols} of {values!r}; an MXFP8 column slice must "
+                f"start and end on multiples of {BLOCK} along K, since one scale byte covers {BLOCK} values"]
+    expected = mxfp8_scale_shard(sv, ndim)
     if ss != expected:
         return [f"tensor {dest.name!r}: the rank's slice of {scales!r} ({ss}) does not match its slice of "
                 f"{values!r}; expected {expected}"]
     return []
+
+
+def mxfp8_scale_shard(values: Shard, ndim: int) -> Shard:
+    """The slice of MXFP8 scales that goes with a slice of their values (a K slice counts blocks)."""
+    if values.dim != ndim - 1:
+        return values
+    return Shard(values.dim, values.size // BLOCK, tuple((a // BLOCK, b // BLOCK, c // BLOCK) for a, b, c in values.pieces))
 
 
 def check_shards(params: Mapping[str, ParamSpec], destinations: Mapping[str, Destination], shards: Mapping[str, Shard]) -> None:

@@ -14,6 +14,12 @@ a scale buffer on the same module, initialised by quantizing the current weight:
   power-of-two scales).
 Such a module is a weight store (its forward would see FP8 tensors); ``dequantized_state()``
 gives the BF16 view for checks.
+
+With ``tp_size > 1`` the module becomes one tensor-parallel rank's weight store: every weight is
+replaced by the slice vLLM's parallel layers would hold on rank ``tp_rank``
+(``engines.tensor_parallel``; MXFP8 scales sliced with their values), while the tables still
+describe the whole weights, so all ranks share one plan and each applies only its slice
+(``shards``).
 """
 
 from __future__ import annotations
@@ -25,7 +31,9 @@ import torch
 from torch import nn
 
 from mxrefit.eligibility import DEFAULT_RULES, QuantRules, layer_of
-from mxrefit.engines.base import Destination, Engine, ParamSpec, Target
+from mxrefit.engines.base import Destination, Engine, ParamSpec, Shard, Target
+from mxrefit.engines.shards import mxfp8_scale_shard
+from mxrefit.engines.tensor_parallel import hf_shard
 from mxrefit.formats import fp8_block, mxfp8
 
 
@@ -61,21 +69,28 @@ class TorchEngine(Engine):
         quant: str | None = None,
         mxfp8: bool = False,
         rules: QuantRules = DEFAULT_RULES,
+        tp_rank: int = 0,
+        tp_size: int = 1,
     ):
         """``quant``: None (every parameter as it is), ``"mxfp8"``, ``"fp8-block"`` or
         ``"fp8-block-ue8m0"``; ``mxfp8=True`` is short for ``quant="mxfp8"``. ``rules`` decide
-        which weights are quantized (the same rules a trainer can check the plan with)."""
+        which weights are quantized (the same rules a trainer can check the plan with).
+        ``tp_rank`` of ``tp_size``: hold that tensor-parallel rank's slices (None or MXFP8 weights)."""
         if mxfp8:
             if quant not in (None, "mxfp8"):
                 raise ValueError(f"mxfp8=True and quant={quant!r} disagree; pass quant alone")
             quant = "mxfp8"
         if quant is not None and quant not in HELD:
             raise ValueError(f"quant must be None or one of {sorted(HELD)}, got {quant!r}")
+        if tp_size > 1 and quant not in (None, "mxfp8"):
+            raise ValueError(f"tensor-parallel slices of {quant} weights are not modelled (their scale tiles span "
+                             f"128 rows); use quant=None or 'mxfp8' with tp_size > 1")
         self.module = module
         self.quant = quant
         self.rules = rules
         self._tensors: dict[str, torch.Tensor] = {}
         self._destinations: dict[str, Destination] = {}
+        self._shards: dict[str, Shard] = {}
         seen_storage: dict[int, str] = {}
         self.aliases: dict[str, str] = {}
         named = list(module.named_parameters(remove_duplicate=False))
@@ -92,6 +107,33 @@ class TorchEngine(Engine):
             else:
                 self._tensors[name] = param.data
                 self._destinations[name] = Destination(name, "bf16", (Target(name, 0, shape, param.dtype),))
+        self._specs = {n: ParamSpec(n, tuple(t.shape), t.dtype) for n, t in self._tensors.items()}
+        if tp_size > 1:
+            self._keep_slices(tp_rank, tp_size)
+
+    def _keep_slices(self, rank: int, size: int) -> None:
+        """Replace each weight by this rank's slice (values and scales alike), as vLLM's TP layers hold them."""
+        for name, dest in self._destinations.items():
+            shard = hf_shard(name, self._specs[name].shape, rank, size)
+            if shard is None:
+                continue
+            for target in dest.targets:
+                param_shard = shard if target.param == name else mxfp8_scale_shard(shard, len(target.shape))
+                whole = self._tensors[target.param]
+                local = torch.cat([whole.narrow(param_shard.dim, a, b - a) for a, b, _ in
+                                   sorted(param_shard.pieces, key=lambda p: p[2])], param_shard.dim)
+                self._replace(target.param, local.contiguous())
+                self._shards[target.param] = param_shard
+
+    def _replace(self, name: str, tensor: torch.Tensor) -> None:
+        owner_name, _, attr = name.rpartition(".")
+        owner = self.module.get_submodule(owner_name) if owner_name else self.module
+        current = getattr(owner, attr)
+        if isinstance(current, nn.Parameter):
+            current.data = tensor
+        else:
+            owner.register_buffer(attr, tensor)
+        self._tensors[name] = tensor
 
     def _hold_quantized(self, name: str, param: nn.Parameter, held: _Held) -> None:
         owner_name, _, attr = name.rpartition(".")
@@ -115,7 +157,10 @@ class TorchEngine(Engine):
         )
 
     def params(self) -> dict[str, ParamSpec]:
-        return {n: ParamSpec(n, tuple(t.shape), t.dtype) for n, t in self._tensors.items()}
+        return dict(self._specs)
+
+    def shards(self) -> dict[str, Shard]:
+        return dict(self._shards)
 
     def destinations(self) -> dict[str, Destination]:
         return dict(self._destinations)
