@@ -50,6 +50,7 @@ class RefitError(RuntimeError):
 
     def __init__(self, message: str, engine_status: dict | None = None):
         self.engine_status = engine_status
+        self.reason = message
         if engine_status:
             message += f" (engine holds version {engine_status.get('version')}, state {engine_status.get('state')})"
         super().__init__(message)
@@ -126,12 +127,15 @@ class Sender:
         return ControlClient(address, token)
 
     def _request(self, msg: dict, step: str) -> dict:
-        reply = self.client.request(msg, self.timeout_s, step=step)
+        return self._checked(self.client.request(msg, self.timeout_s, step=step), msg["op"])
+
+    def _checked(self, reply: dict, op: str) -> dict:
+        """The engine's reply to ``op``; PlanMismatch or RefitError if it refused."""
         if reply.get("op") in ("error", "rejected"):
             problems = reply.get("problems") or [reply.get("why", "")]
             if reply.get("kind") == "plan_mismatch":
                 raise PlanMismatch(list(problems))
-            raise RefitError(f"engine at {self.address} refused {msg['op']!r}: {'; '.join(map(str, problems))}", reply)
+            raise RefitError(f"engine at {self.address} refused {op!r}: {'; '.join(map(str, problems))}", reply)
         return reply
 
     def connect(self) -> None:
