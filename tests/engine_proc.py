@@ -3,20 +3,36 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
 
 def serve_tiny(conn, model: str, mxfp8: bool, timeout_s: float, tcp: bool = False, quant: str | None = None,
-               transactional: bool = False) -> None:
+               transactional: bool = False, tp: tuple[int, int] = (0, 1), die_in_refit: tuple[int, int] | None = None) -> None:
+    """A tiny transformers model behind a Receiver; ``tp`` = (rank, size) keeps that TP rank's slices.
+
+    ``die_in_refit`` = (n, bucket): exit abruptly once bucket ``bucket`` of the n-th refit landed,
+    before the engine acknowledges it (a rank killed mid-refit).
+    """
     import models
     from mxrefit.engines.torch import TorchEngine
     from mxrefit.receiver import Receiver
 
+    class MortalEngine(TorchEngine):
+        refits = 0
+
+        def after_bucket(self, bucket: int) -> None:
+            if die_in_refit == (self.refits + 1, bucket):
+                os._exit(17)
+
+        def after_refit(self, version: int) -> None:
+            self.refits += 1
+
     logging.basicConfig(level=logging.INFO)
     module = models.tiny_llama(seed=1) if model == "llama" else models.tiny_qwen3_moe(seed=1)
-    receiver = Receiver(TorchEngine(module, mxfp8=mxfp8, quant=quant), timeout_s=timeout_s, tcp=tcp,
-                        transactional=transactional)
+    engine = MortalEngine(module, mxfp8=mxfp8, quant=quant, tp_rank=tp[0], tp_size=tp[1])
+    receiver = Receiver(engine, timeout_s=timeout_s, tcp=tcp, transactional=transactional)
     conn.send({"address": receiver.address, "token": receiver.token})
     try:
         receiver.serve()

@@ -7,7 +7,6 @@ post-processes it layer by layer into the TRT-LLM kernel layout from a staging p
 
 from __future__ import annotations
 
-import hashlib
 import multiprocessing as mp
 from dataclasses import replace
 
@@ -15,6 +14,7 @@ import msgpack
 import pytest
 import torch
 
+from checks import sha
 from engine_proc import serve_layout
 from mxrefit.bench.run import _checkpoint_param, _post_params, make_weights
 from mxrefit.engines.trtllm import reference_kernel_bytes
@@ -52,10 +52,6 @@ def _weights(seed: int, device: str = "cpu") -> dict[str, torch.Tensor]:
     return make_weights(specs, torch.device(device), seed=seed)
 
 
-def _sha(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
 def mismatched_params(sender: Sender, weights: dict[str, torch.Tensor], post: bool) -> list[str]:
     """Every engine param whose served bytes differ from what the trainer's tensors must give."""
     params = vllm_params(SHAPE, mxfp8=True)
@@ -66,7 +62,7 @@ def mismatched_params(sender: Sender, weights: dict[str, torch.Tensor], post: bo
         ckpt = _checkpoint_param(name, spec.nbytes, dests, weights, torch.device("cpu"))
         expected = reference_kernel_bytes(name, ckpt.view(spec.dtype).view(spec.shape)) if name in kernel else ckpt
         ranges.append([name, 0, expected.numel()])
-        want.append(_sha(expected))
+        want.append(sha(expected))
     got = sender.client.request({"op": "checksum", "ranges": ranges}, 30, step="checksums")["sha256"]
     return [r[0] for r, g, w in zip(ranges, got, want) if g != w]
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import multiprocessing as mp
 import re
 import time
@@ -11,8 +10,9 @@ import pytest
 import torch
 
 import models
+from checks import engine_matches
 from engine_proc import dying_trainer, serve_tiny
-from mxrefit.formats import fp8_block, mxfp8
+from mxrefit.formats import mxfp8
 from mxrefit.plan import PlanMismatch, SourceSpec
 from mxrefit.sender import RefitError, Sender
 
@@ -34,33 +34,6 @@ class Engine:
         self.proc.join(30)
         if self.proc.is_alive():
             self.proc.kill()
-
-
-def _sha(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
-def _expected_parts(fmt: str, src: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    if fmt == "mxfp8":
-        return mxfp8.quantize(src, backend="torch")
-    if fmt in ("fp8-block", "fp8-block-ue8m0"):
-        return fp8_block.quantize(src, use_ue8m0=fmt == "fp8-block-ue8m0", backend="torch")
-    return (src.to(dtype),)
-
-
-def engine_matches(sender: Sender, weights: dict[str, torch.Tensor]) -> list[str]:
-    """Names whose engine bytes differ from the trainer's tensor (quantized where the engine holds it quantized)."""
-    _, dests = sender._tables
-    ranges, want, names = [], [], []
-    for name, dest in dests.items():
-        src = weights[name].detach()
-        parts = _expected_parts(dest.format, src, dest.targets[0].dtype)
-        for tgt, part in zip(dest.targets, parts):
-            ranges.append([tgt.param, tgt.offset, tgt.nbytes])
-            want.append(_sha(part))
-            names.append(name)
-    got = sender.client.request({"op": "checksum", "ranges": ranges}, 30, step="checksums")["sha256"]
-    return sorted({n for n, g, w in zip(names, got, want) if g != w})
 
 
 def _weights(seed: int, model="moe") -> dict[str, torch.Tensor]:
