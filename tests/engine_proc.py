@@ -84,3 +84,36 @@ def serve_layout(conn, shape, post: bool, timeout_s: float, experts: str = "per_
     finally:
         receiver.close()
         conn.send({**receiver.status(), "staging_bytes": engine.staging.pool_bytes if engine.staging else 0})
+
+
+def dying_broadcast_trainer(conn, die_at_publish: int) -> None:
+    """A BroadcastSender that, at its ``die_at_publish``-th bucket, announces the bucket to every
+    rank and exits abruptly instead of broadcasting it (the trainer dies mid-transfer). It
+    readies itself first, then takes the engines' (address, token) list from ``conn``."""
+    import os
+    import time
+
+    import models
+    from mxrefit.broadcast import BroadcastSender
+
+    class DyingBroadcastSender(BroadcastSender):
+        published = 0
+
+        def _ensure_buffers(self, kind, plan):
+            super()._ensure_buffers(kind, plan)
+            publish = self.buffers.publish
+
+            def publish_or_die(slot: int, nbytes: int) -> None:
+                self.published += 1
+                if self.published == die_at_publish:
+                    self.client.send({"op": "ready", "version": 1, "bucket": die_at_publish - 1})
+                    time.sleep(1.0)  # let the announcement leave (zmq sends in the background)
+                    os._exit(17)
+                publish(slot, nbytes)
+
+            self.buffers.publish = publish_or_die
+
+    module = models.tiny_qwen3_moe(seed=5)
+    engines = conn.recv()
+    sender = DyingBroadcastSender([tuple(e) for e in engines], bucket_bytes=16 << 10, timeout_s=30, rendezvous_timeout_s=30)
+    sender.refit(dict(module.named_parameters()))

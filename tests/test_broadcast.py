@@ -17,7 +17,7 @@ from torch import distributed as dist
 
 import models
 from checks import rank_matches
-from engine_proc import serve_tiny
+from engine_proc import dying_broadcast_trainer, serve_tiny
 from mxrefit.broadcast import BroadcastSender
 from mxrefit.formats import mxfp8
 from mxrefit.plan import PlanMismatch, SourceSpec
@@ -162,6 +162,31 @@ def test_a_rank_killed_mid_refit_is_named_survivor_partial_then_repaired():
         assert report.version == 2 and sender.status()["state"] == "ready"
         for i in range(2):
             assert rank_matches(sender, i, repaired, tp_take(i, 2)) == [], f"engine {i}"
+    finally:
+        ranks.stop(sender)
+
+
+def test_trainer_killed_mid_broadcast_leaves_ranks_partial_then_a_new_trainer_repairs():
+    conn, child = CTX.Pipe()
+    dying = CTX.Process(target=dying_broadcast_trainer, args=(child, 3))
+    dying.start()  # it imports while the engines start
+    ranks = Ranks([{"mxfp8": True, "tp": (i, 2)} for i in range(2)], timeout_s=5.0)
+    sender = None
+    try:
+        conn.send(ranks.engines)
+        dying.join(120)
+        assert dying.exitcode == 17
+        sender = BroadcastSender(ranks.engines, bucket_bytes=16 << 10, timeout_s=10, rendezvous_timeout_s=30)
+        deadline = time.monotonic() + 20
+        while any(r["error"] is None for r in sender.status()["ranks"]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for r in sender.status()["ranks"]:  # buckets 0 and 1 landed; bucket 2 was announced, never sent
+            assert r["version"] == 0 and r["state"] == "partial", r
+            assert "bucket 2 did not arrive" in r["error"] and "gloo refit group" in r["error"], r
+        weights = _weights(44)
+        assert sender.refit(weights).version == 1
+        for i in range(2):
+            assert rank_matches(sender, i, weights, tp_take(i, 2)) == [], f"engine {i}"
     finally:
         ranks.stop(sender)
 
