@@ -8,6 +8,9 @@ All directly written parameters live in one exportable arena (one CUDA IPC handl
 shared-memory segment on the host), so the trainer can write into them directly. Optional
 staged units (``mxrefit.engines.staging``) receive checkpoint-format bytes and write the
 kernel tensors when processed, as a real engine's post-load processing would.
+
+With ``shards`` it is one tensor-parallel rank of such an engine: the tables stay whole and each
+sharded parameter's storage holds only the rank's slice (e.g. ``vllm_layout.vllm_shards``).
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from collections.abc import Sequence
 import torch
 
 from mxrefit.devices import resolve
-from mxrefit.engines.base import Destination, Engine, ParamSpec
+from mxrefit.engines.base import Destination, Engine, ParamSpec, Shard
+from mxrefit.engines.shards import local_nbytes
 from mxrefit.engines.staging import ALIGN, StagedUnit, StagingPool
 from mxrefit.transport.exports import allocate
 
@@ -32,26 +36,37 @@ class LayoutEngine(Engine):
         units: Sequence[StagedUnit] = (),
         kernel: dict[str, torch.Tensor] | None = None,
         deferred: bool = False,
+        shards: dict[str, Shard] | None = None,
     ):
         """``units`` are staged (their params get no arena storage); ``kernel`` maps a staged
         param to the tensor its processing writes, which ``read`` then returns."""
         self._params = dict(params)
         self._destinations = dict(destinations)
         self._device = resolve(device)
+        self._shards = dict(shards or {})
+        if self._shards and units:
+            raise ValueError("staged units process whole parameters; a rank holding slices cannot stage them")
         self.staging = StagingPool(self._params, units, self._device, deferred=deferred) if units else None
         direct = [n for n in params if not (self.staging and self.staging.staged(n))]
-        offsets, total = {}, 0
+        offsets, sizes, total = {}, {}, 0
         for n in direct:
-            offsets[n] = total
-            total += -(-params[n].nbytes // ALIGN) * ALIGN
+            offsets[n], sizes[n] = total, local_nbytes(params[n], self._shards.get(n))
+            total += -(-sizes[n] // ALIGN) * ALIGN
         self.arena = allocate(max(total, 1), self._device)
         self.arena.zero_()
-        self._storage = {n: self.arena[offsets[n] : offsets[n] + params[n].nbytes] for n in direct}
-        self.tensors = {n: s.view(params[n].dtype).view(params[n].shape) for n, s in self._storage.items()}
+        self._storage = {n: self.arena[offsets[n] : offsets[n] + sizes[n]] for n in direct}
+        self.tensors = {n: s.view(params[n].dtype).view(self._local_shape(n)) for n, s in self._storage.items()}
         self.kernel = dict(kernel or {})
+
+    def _local_shape(self, name: str) -> tuple[int, ...]:
+        shard = self._shards.get(name)
+        return self._params[name].shape if shard is None else shard.local_shape(self._params[name].shape)
 
     def params(self) -> dict[str, ParamSpec]:
         return dict(self._params)
+
+    def shards(self) -> dict[str, Shard]:
+        return dict(self._shards)
 
     def destinations(self) -> dict[str, Destination]:
         return dict(self._destinations)

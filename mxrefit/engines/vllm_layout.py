@@ -41,6 +41,18 @@ compares ``named_parameters()`` and loads bytes through vLLM's own ``load_weight
   (``DEFAULT_VOCAB_PADDING_SIZE``); padding rows have no source, so such shapes are refused.
 
 Byte offsets are into each parameter's row-major storage (``Target`` in ``engines.base``).
+
+Tensor/expert parallelism (``vllm_shards``): every rank describes the WHOLE model with these
+tables and gives its slice of each parameter as a ``Shard``, read in the same source:
+``QKVParallelLinear`` keeps rank r's 1/tp of the q rows and of the k and v rows — with fewer KV
+heads than ranks each rank holds one whole KV head, ``r // (tp / kv_heads)``
+(``layers/linear.py:1055``, ``1301-1304``); ``MergedColumnParallelLinear`` its share of the gate
+rows and of the up rows; ``RowParallelLinear`` (``o_proj``, ``down_proj``) its 1/tp of the
+columns; ``VocabParallelEmbedding``/``ParallelLMHead`` its 1/tp of the (unpadded, see above)
+vocabulary rows. Routed experts are TP-sliced per expert (``routed_experts.py:523-600``: w13's
+gate half and up half narrowed on dim 1, w2 on dim 2), or with expert parallelism kept whole,
+rank r holding experts ``[r E/ep, (r+1) E/ep)`` (``fused_moe/expert_map_manager.py:75``, the
+default linear placement). Scales follow their values (a K slice counts 32-value blocks).
 """
 
 from __future__ import annotations
@@ -51,7 +63,8 @@ from collections.abc import Collection
 import torch
 
 from mxrefit.eligibility import DEFAULT_RULES, QuantRules
-from mxrefit.engines.base import Destination, ParamSpec, Target
+from mxrefit.engines.base import Destination, ParamSpec, Shard, Target
+from mxrefit.engines.shards import mxfp8_scale_shard
 from mxrefit.formats.mxfp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE
 from mxrefit.shapes import DTYPE, ModelShape, hf_tensor_specs
 
@@ -303,3 +316,77 @@ def coverage_check(params: dict[str, ParamSpec], destinations: dict[str, Destina
     if problems:
         more = f" (and {len(problems) - limit} more)" if len(problems) > limit else ""
         raise ValueError(f"coverage check failed: {'; '.join(problems[:limit])}{more}")
+
+
+def _even(what: str, n: int, ranks: int) -> int:
+    if n % ranks:
+        raise ValueError(f"{what} ({n}) does not split evenly over {ranks} ranks")
+    return n // ranks
+
+
+def _tp_shards(shape: ModelShape, rank: int, size: int, expert_parallel: bool) -> dict[str, Shard]:
+    """Values parameters' slices on rank ``rank`` of ``size`` (see the module docstring)."""
+    hd, q_rows = shape.head_dim, shape.heads * shape.head_dim
+    q = _even(f"{shape.name}: query heads", shape.heads, size) * hd
+    if shape.kv_heads >= size:
+        kv_head, kv = rank, _even(f"{shape.name}: KV heads", shape.kv_heads, size) * hd
+    else:
+        kv_head, kv = rank // _even(f"{shape.name}: ranks per KV head", size, shape.kv_heads), hd
+    kv_rows = shape.kv_heads * hd
+    qkv = Shard(0, q + 2 * kv, ((rank * q, (rank + 1) * q, 0),
+                                (q_rows + kv_head * kv, q_rows + (kv_head + 1) * kv, q),
+                                (q_rows + kv_rows + kv_head * kv, q_rows + kv_rows + (kv_head + 1) * kv, q + kv)))
+
+    def rows(n: int, what: str) -> Shard:
+        part = _even(what, n, size)
+        return Shard(0, part, ((rank * part, (rank + 1) * part, 0),))
+
+    def cols(dim: int, n: int, what: str) -> Shard:
+        part = _even(what, n, size)
+        return Shard(dim, part, ((rank * part, (rank + 1) * part, 0),))
+
+    def gate_up(dim: int, n: int, what: str) -> Shard:
+        part = _even(what, n, size)
+        lo = rank * part
+        return Shard(dim, 2 * part, ((lo, lo + part, 0), (n + lo, n + lo + part, part)))
+
+    out = {"model.embed_tokens.weight": rows(shape.vocab, f"{shape.name}: vocabulary")}
+    if not shape.tied_embeddings:
+        out["lm_head.weight"] = rows(shape.vocab, f"{shape.name}: vocabulary")
+    for i in range(shape.layers):
+        p = f"model.layers.{i}"
+        out[f"{p}.self_attn.qkv_proj.weight"] = qkv
+        out[f"{p}.self_attn.o_proj.weight"] = cols(1, q_rows, f"{shape.name}: o_proj columns")
+        if shape.is_moe and expert_parallel:
+            out[f"{p}.{EXPERTS}.w13_weight"] = rows(shape.experts, f"{shape.name}: experts")
+            out[f"{p}.{EXPERTS}.w2_weight"] = rows(shape.experts, f"{shape.name}: experts")
+        elif shape.is_moe:
+            out[f"{p}.{EXPERTS}.w13_weight"] = gate_up(1, shape.moe_intermediate, f"{shape.name}: moe_intermediate")
+            out[f"{p}.{EXPERTS}.w2_weight"] = cols(2, shape.moe_intermediate, f"{shape.name}: moe_intermediate")
+        else:
+            out[f"{p}.mlp.gate_up_proj.weight"] = gate_up(0, shape.intermediate, f"{shape.name}: intermediate")
+            out[f"{p}.mlp.down_proj.weight"] = cols(1, shape.intermediate, f"{shape.name}: intermediate")
+    return out
+
+
+def vllm_shards(shape: ModelShape, *, mxfp8: bool, tp_rank: int, tp_size: int, expert_parallel: bool = False,
+                quantized: Collection[str] | None = None, rules: QuantRules = DEFAULT_RULES) -> dict[str, Shard]:
+    """What tensor-parallel rank ``tp_rank`` of ``tp_size`` holds of each whole parameter of
+    ``vllm_params(shape, mxfp8=mxfp8, quantized=quantized, rules=rules)``; ``expert_parallel``:
+    experts whole, split over the ranks.
+
+    ``shape`` is the whole model. Parameters not listed (norms, router) are whole on every rank.
+    """
+    if shape.tp_share != 1 or shape.ep_share != 1:
+        raise ValueError(f"{shape.name} is one rank's share already; give the whole model's shape")
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tensor-parallel rank {tp_rank} is not in [0, {tp_size})")
+    if tp_size == 1:
+        return {}
+    values = _tp_shards(shape, tp_rank, tp_size, expert_parallel)
+    params = vllm_params(shape, mxfp8=mxfp8, quantized=quantized, rules=rules)
+    out = dict(values)
+    for name, shard in values.items():
+        if scale_param(name) in params:
+            out[scale_param(name)] = mxfp8_scale_shard(shard, len(params[name].shape))
+    return out
