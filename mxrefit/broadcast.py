@@ -159,6 +159,10 @@ class BroadcastSender(Sender):
     def _status_or_none(self) -> dict | None:
         return self._recover("the trainer gave up on the refit")
 
+    def close(self, *, shutdown_engine: bool = False) -> None:
+        super().close(shutdown_engine=shutdown_engine)
+        self._store = None  # the rendezvous store stops listening once released
+
     def status(self) -> dict:
         """Combined status (``ready`` only if every rank is at one version) with each rank's in ``ranks``."""
         fan = self.client
