@@ -127,6 +127,8 @@ class BroadcastSender(Sender):
             return super().refit(tensors, version=version)
         except (RefitError, ControlError, TransportError) as err:
             self._needs_plan = True
+            if self.buffers is not None:
+                self.buffers.discard()
             status = self._recovered if self._recovered is not None else self._recover(str(err))
             reason = err.reason if isinstance(err, RefitError) else str(err)
             raise RefitError(f"{reason}; ranks: {_rank_summary(status)}", status) from err

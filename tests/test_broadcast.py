@@ -191,7 +191,7 @@ def test_trainer_killed_mid_broadcast_leaves_ranks_partial_then_a_new_trainer_re
         ranks.stop(sender)
 
 
-def test_a_rank_that_never_joins_times_out_the_rendezvous_by_name():
+def test_a_rank_that_never_joins_is_named_at_the_rendezvous_timeout_then_refits_recover():
     ranks = Ranks([{}, {}])
     sender = BroadcastSender(ranks.engines, bucket_bytes=BUCKET, timeout_s=5, rendezvous_timeout_s=3)
     weights = _weights(7)
@@ -205,6 +205,17 @@ def test_a_rank_that_never_joins_times_out_the_rendezvous_by_name():
         os.kill(ranks.procs[1].pid, signal.SIGCONT)
         report = sender.refit(weights)  # the late answers are skipped; a new group forms
         assert report.version == 1
+        for i in range(2):
+            assert rank_matches(sender, i, weights) == [], f"engine {i}"
+        # a streamed tensor found non-finite mid-refit: every rank aborted, the next refit re-plans
+        bad = _weights(8)
+        name = "model.layers.1.self_attn.o_proj.weight"
+        bad[name][3, 5] = float("inf")
+        with pytest.raises(RefitError, match=name) as err:
+            sender.refit(iter(bad.items()))
+        assert [(r["version"], r["state"]) for r in err.value.engine_status["ranks"]] == [(1, "partial")] * 2
+        weights = _weights(9)
+        assert sender.refit(weights).version == 2
         for i in range(2):
             assert rank_matches(sender, i, weights) == [], f"engine {i}"
     finally:

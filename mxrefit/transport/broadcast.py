@@ -278,9 +278,10 @@ class BroadcastBuffers(TransferBuffers):
             raise TransportError(f"{self.label} is not formed: join() it before publishing")
         self._works[slot] = self.group.broadcast(self.buffers[slot][:nbytes])
 
-    @property
-    def failed(self) -> bool:
-        return self.group is not None and self.group.failed
+    def discard(self) -> None:
+        """A refit stopped midway: broadcasts may still be pending, so closing must abort the group."""
+        if self.group is not None:
+            self.group.failed = True
 
     def close(self) -> None:
         self._works = {}
