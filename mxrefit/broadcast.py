@@ -44,7 +44,8 @@ class BroadcastSender(Sender):
     ``host``/``port``: where the ranks reach this trainer's rendezvous store (loopback by
     default; a reachable address for other nodes). ``backend``: "nccl" on CUDA, "gloo" on CPU
     by default. ``timeout_s`` bounds every control answer and every collective;
-    ``rendezvous_timeout_s`` bounds forming the group at each plan.
+    ``rendezvous_timeout_s`` bounds forming the group at each plan. ``verify``: per-bucket
+    integrity sums, checked by every rank over the bytes that arrived in its slot.
     """
 
     def __init__(
@@ -60,10 +61,11 @@ class BroadcastSender(Sender):
         timeout_s: float = 60.0,
         rendezvous_timeout_s: float = 60.0,
         check_finite: bool = True,
+        verify: bool = False,
     ):
         self._engines = list(engines)
         super().__init__(", ".join(a for a, _ in self._engines), b"", device=device, bucket_bytes=bucket_bytes,
-                         slots=slots, timeout_s=timeout_s, check_finite=check_finite)
+                         slots=slots, timeout_s=timeout_s, check_finite=check_finite, verify=verify)
         self.backend = backend or default_backend(self.device)
         self.rendezvous_timeout_s = rendezvous_timeout_s
         self._store_at = (host, port)

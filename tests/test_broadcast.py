@@ -108,7 +108,8 @@ def trainer_world():
 @pytest.mark.parametrize("mx", [False, True], ids=["bf16", "mxfp8"])
 def test_refits_reach_every_rank_bit_exact(mx, tp, trainer_world):
     ranks = Ranks([{"mxfp8": mx, "tp": (i % tp, tp)} for i in range(2)])
-    sender = BroadcastSender(ranks.engines, bucket_bytes=BUCKET, timeout_s=30, rendezvous_timeout_s=30)
+    # TP ranks also check the per-bucket integrity sums (over the bytes that reached their slots)
+    sender = BroadcastSender(ranks.engines, bucket_bytes=BUCKET, timeout_s=30, rendezvous_timeout_s=30, verify=tp == 2)
     try:
         for step, seed in enumerate((11, 12, 13)):
             weights = _weights(seed)

@@ -102,3 +102,11 @@ def test_malformed_shards_are_refused_by_name(shard, rule):
     with pytest.raises(ValueError, match=rule) as err:
         check_shards(params, {}, {"norm": shard})
     assert "'norm'" in str(err.value)
+
+
+def test_slices_of_a_format_without_a_slicing_rule_are_refused():
+    params = {"w": ParamSpec("w", (256, 256), torch.float8_e4m3fn), "w_scale_inv": ParamSpec("w_scale_inv", (2, 2), torch.float32)}
+    dest = Destination("w", "fp8-block", (Target("w", 0, (256, 256), torch.float8_e4m3fn),
+                                          Target("w_scale_inv", 0, (2, 2), torch.float32)))
+    with pytest.raises(ValueError, match="'w'.*fp8-block"):
+        check_shards(params, {"w": dest}, {"w": Shard(0, 128, ((0, 128, 0),))})

@@ -101,6 +101,9 @@ def check_shards(params: Mapping[str, ParamSpec], destinations: Mapping[str, Des
         for dest in destinations.values():
             if dest.format == "mxfp8" and len(dest.targets) == 2:
                 problems += _mxfp8_problems(dest, shards, params)
+            elif dest.format != "bf16" and any(t.param in shards for t in dest.targets):
+                problems.append(f"tensor {dest.name!r}: slices of format {dest.format!r} are not modelled (only "
+                                f"bf16 and mxfp8 weights can be held in slices)")
     if problems:
         raise ValueError("engine shards refused:\n  " + "\n  ".join(problems))
 
