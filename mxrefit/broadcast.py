@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from mxrefit.eligibility import QuantRules
 from mxrefit.plan import DEFAULT_BUCKET_BYTES, RefitPlan, SourceSpec
 from mxrefit.sender import RefitError, RefitReport, Sender, Tensors
 from mxrefit.transport.broadcast import BroadcastBuffers, RendezvousError, RendezvousStore, default_backend
@@ -45,7 +46,8 @@ class BroadcastSender(Sender):
     default; a reachable address for other nodes). ``backend``: "nccl" on CUDA, "gloo" on CPU
     by default. ``timeout_s`` bounds every control answer and every collective;
     ``rendezvous_timeout_s`` bounds forming the group at each plan. ``verify``: per-bucket
-    integrity sums, checked by every rank over the bytes that arrived in its slot.
+    integrity sums, checked by every rank over the bytes that arrived in its slot. ``rules``:
+    the trainer's quantization rules, checked against the ranks' tables at plan (as ``Sender``).
     """
 
     def __init__(
@@ -62,10 +64,11 @@ class BroadcastSender(Sender):
         rendezvous_timeout_s: float = 60.0,
         check_finite: bool = True,
         verify: bool = False,
+        rules: QuantRules | None = None,
     ):
         self._engines = list(engines)
         super().__init__(", ".join(a for a, _ in self._engines), b"", device=device, bucket_bytes=bucket_bytes,
-                         slots=slots, timeout_s=timeout_s, check_finite=check_finite, verify=verify)
+                         slots=slots, timeout_s=timeout_s, check_finite=check_finite, verify=verify, rules=rules)
         self.backend = backend or default_backend(self.device)
         self.rendezvous_timeout_s = rendezvous_timeout_s
         self._store_at = (host, port)
