@@ -3,7 +3,7 @@
 vLLM's CPU block-FP8 linear kernels need AMX (Sapphire Rapids or newer); elsewhere engine start
 fails with "Failed to find a kernel that can implement the ScaledMM linear layer". The child
 process registers a torch emulation kernel (dequantize with ``fp8_block.dequantize``, then
-``F.linear``) for the CPU platform, as the MXFP8 tests register vLLM's own MXFP8 emulation,
+``F.linear``; ``tests/fp8_block_emulation.py``) for the CPU platform, as the MXFP8 tests register vLLM's own MXFP8 emulation,
 then loads the checkpoint through vLLM's ``Fp8Config`` (``weight_block_size: [128, 128]``):
 the parameters are vLLM's block-FP8 ones, their bytes are ours, and its log-probabilities are
 those of transformers running the dequantized weights. A second child builds Qwen3-MoE models
@@ -57,36 +57,6 @@ def _write_checkpoint(path: str) -> dict[str, str]:
     return {n: _sha(t) for n, t in tensors.items()}
 
 
-def _register_emulation_kernel() -> None:
-    import torch.nn.functional as F
-    from vllm.model_executor.kernels import linear
-    from vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel import Fp8BlockScaledMMLinearKernel
-    from vllm.platforms import PlatformEnum
-
-    from mxrefit.formats import fp8_block
-
-    class EmulationFp8BlockKernel(Fp8BlockScaledMMLinearKernel):
-        apply_input_quant = False
-
-        @classmethod
-        def is_supported(cls, compute_capability=None):
-            return True, None
-
-        @classmethod
-        def can_implement(cls, config):
-            return True, None
-
-        def apply_weights(self, layer, x, bias=None, **kwargs):
-            p = self._get_layer_params(layer)
-            w = fp8_block.dequantize(p.weight, p.block_scale, x.dtype, tuple(self.weight_group_shape))
-            return F.linear(x, w, bias)
-
-        def apply_block_scaled_mm(self, A, B, As, Bs):
-            raise NotImplementedError
-
-    linear._POSSIBLE_FP8_BLOCK_KERNELS[PlatformEnum.CPU].append(EmulationFp8BlockKernel)
-
-
 def _engine_params(worker) -> list:
     return [[n, list(p.shape), str(p.dtype), _sha(p.data)] for n, p in worker.model_runner.model.named_parameters()]
 
@@ -96,11 +66,12 @@ def _child(out_path: str) -> None:
     from transformers import AutoModelForCausalLM
     from vllm import LLM, SamplingParams
 
+    from fp8_block_emulation import register_emulation_kernel  # imports vLLM: only in the child
     from mxrefit.formats import fp8_block
 
     work = tempfile.mkdtemp()
     sent = _write_checkpoint(work)
-    _register_emulation_kernel()
+    register_emulation_kernel()
     llm = LLM(model=os.path.join(work, "fp8"), skip_tokenizer_init=True, gpu_memory_utilization=0.2, max_model_len=256,
               enforce_eager=True, distributed_executor_backend="uni")
     out = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(max_tokens=8, temperature=0.0, logprobs=5))
@@ -143,7 +114,9 @@ def _moe_child(out_path: str) -> None:
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    _register_emulation_kernel()
+    from fp8_block_emulation import register_emulation_kernel  # imports vLLM: only in the child
+
+    register_emulation_kernel()
     work = tempfile.mkdtemp()
     results = {}
     for n, inter in enumerate((256, 192)):  # 192: not a multiple of 128, vLLM refines the scale grid

@@ -40,6 +40,23 @@ compares ``named_parameters()`` and loads bytes through vLLM's own ``load_weight
 - ``VocabParallelEmbedding`` pads the global vocabulary to a multiple of 64
   (``DEFAULT_VOCAB_PADDING_SIZE``); padding rows have no source, so such shapes are refused.
 
+- ``Fp8Config`` block FP8 (``weight_block_size: [128, 128]``, ``layers/quantization/fp8.py``):
+  a linear layer gets ``weight`` (``float8_e4m3fn [N, K]``) and ``weight_scale_inv``
+  (``float32 [ceil(N/128), ceil(K/128)]``, lines 312-339); MoE gets ``w13_weight``,
+  ``w2_weight``, ``w13_weight_scale_inv [E, 2·I/128, ceil(H/128)]``, ``w2_weight_scale_inv
+  [E, ceil(H/128), I/128]`` (lines 564-633). A fused layer stacks its partitions' scale rows
+  (``[q; k; v]``, ``[gate; up]``, per expert ``[w1; w3]``), so every partition but the last
+  must start on a 128-row tile: vLLM refuses other shapes (``validate_fp8_block_shape``,
+  ``utils/fp8_utils.py:1296``). An expert intermediate size that is not a multiple of 128
+  makes vLLM refine the expert scale grid and repeat each checkpoint scale over it
+  (``refine_fp8_moe_block_shape``, ``layers/fused_moe/oracle/fp8.py:288``): not modelled
+  here, refused by name. ``lm_head`` is never quantized by ``Fp8Config`` (not a
+  ``LinearBase``); the router is unless ``ignored_layers`` lists it.
+
+Which quantized format a layout holds is a ``QuantLayout`` (``QUANT_LAYOUTS``): the scale
+parameter's suffix and dtype and the block a scale covers; the scale shapes and the scale
+offset of every source follow from it, so MXFP8 and FP8-block share one code path.
+
 Byte offsets are into each parameter's row-major storage (``Target`` in ``engines.base``).
 
 Tensor/expert parallelism (``vllm_shards``): every rank describes the WHOLE model with these
@@ -52,20 +69,23 @@ columns; ``VocabParallelEmbedding``/``ParallelLMHead`` its 1/tp of the (unpadded
 vocabulary rows. Routed experts are TP-sliced per expert (``routed_experts.py:523-600``: w13's
 gate half and up half narrowed on dim 1, w2 on dim 2), or with expert parallelism kept whole,
 rank r holding experts ``[r E/ep, (r+1) E/ep)`` (``fused_moe/expert_map_manager.py:75``, the
-default linear placement). Scales follow their values (a K slice counts 32-value blocks).
+default linear placement). MXFP8 scales follow their values (a K slice counts 32-value blocks);
+FP8-block tables are not sharded (a 128-row tile would straddle ranks unless every slice is
+whole tiles).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Collection
+from dataclasses import dataclass, replace
 
 import torch
 
 from mxrefit.eligibility import DEFAULT_RULES, QuantRules
 from mxrefit.engines.base import Destination, ParamSpec, Shard, Target
 from mxrefit.engines.shards import mxfp8_scale_shard
-from mxrefit.formats.mxfp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE
+from mxrefit.formats import fp8_block, mxfp8
 from mxrefit.shapes import DTYPE, ModelShape, hf_tensor_specs
 
 VOCAB_PADDING = 64
@@ -74,26 +94,92 @@ FORMAT_MXFP8 = "mxfp8"
 FORMAT_BF16 = "bf16"
 
 
+@dataclass(frozen=True)
+class QuantLayout:
+    """How vLLM holds one quantized format: a values param plus ``<values><scale_suffix>``,
+    one scale per ``block`` = (rows, cols) of every [N, K] matrix, ragged edges rounded up.
+
+    A source whose values start at row ``r0`` of a matrix starts its scales at row
+    ``r0 / block rows`` of that matrix's scales, so a fused partition must start on a block
+    row (always true for MXFP8's one-row blocks).
+    """
+
+    format: str  # Destination.format of every tensor landing in such a param
+    label: str  # for messages
+    scale_suffix: str
+    value_dtype: torch.dtype
+    scale_dtype: torch.dtype
+    block: tuple[int, int]
+    whole_k_blocks: bool  # K must be a multiple of the block columns (MXFP8) or may be ragged
+
+    def scale_param(self, name: str) -> str:
+        return name + self.scale_suffix
+
+    def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        bn, bk = self.block
+        return (*shape[:-2], -(-shape[-2] // bn), -(-shape[-1] // bk))
+
+    def scale_row(self, matrix_rows: int, row: int) -> int:
+        """First scale row (over all leading dims) of a source whose values start at ``row``."""
+        matrix, r0 = divmod(row, matrix_rows)
+        return matrix * -(-matrix_rows // self.block[0]) + r0 // self.block[0]
+
+
+MXFP8_LAYOUT = QuantLayout(FORMAT_MXFP8, "MXFP8", "_scale", mxfp8.VALUE_DTYPE, mxfp8.SCALE_DTYPE, (1, mxfp8.BLOCK), True)
+FP8_BLOCK_LAYOUT = QuantLayout("fp8-block", "FP8-block", "_scale_inv", fp8_block.VALUE_DTYPE, fp8_block.SCALE_DTYPE,
+                               fp8_block.BLOCK, False)
+QUANT_LAYOUTS: dict[str, QuantLayout] = {
+    q.format: q for q in (MXFP8_LAYOUT, FP8_BLOCK_LAYOUT, replace(FP8_BLOCK_LAYOUT, format="fp8-block-ue8m0"))
+}
+
+
+def quant_layout(*, mxfp8: bool = False, fmt: str | None = None) -> QuantLayout | None:
+    """The layout of the quantized layers: ``fmt`` names it (``"bf16"`` or None: nothing is
+    quantized); ``mxfp8=True`` is the older spelling of ``fmt="mxfp8"``."""
+    if fmt is None:
+        return MXFP8_LAYOUT if mxfp8 else None
+    if mxfp8 and fmt != FORMAT_MXFP8:
+        raise ValueError(f"mxfp8=True contradicts fmt={fmt!r}")
+    if fmt == FORMAT_BF16:
+        return None
+    try:
+        return QUANT_LAYOUTS[fmt]
+    except KeyError:
+        raise ValueError(f"unknown quantized format {fmt!r}; known: {sorted(QUANT_LAYOUTS)}") from None
+
+
 def scale_param(name: str) -> str:
     """The uint8 scale parameter that goes with an MXFP8 values parameter."""
-    return f"{name}_scale"
+    return MXFP8_LAYOUT.scale_param(name)
 
 
-def _linear_params(shape: ModelShape) -> list[tuple[str, tuple[int, ...]]]:
-    """The engine's quantizable weights (name, shape), in vLLM's registration order."""
+@dataclass(frozen=True)
+class _Linear:
+    """A quantizable weight: its name, shape, and the rows of the HF tensors fused into each
+    of its matrices (vLLM's ``output_partition_sizes``)."""
+
+    name: str
+    shape: tuple[int, ...]
+    partitions: tuple[int, ...]
+
+
+def _linear_params(shape: ModelShape) -> list[_Linear]:
+    """The engine's quantizable weights, in vLLM's registration order."""
     h, hd = shape.hidden, shape.head_dim
-    out: list[tuple[str, tuple[int, ...]]] = []
+    out: list[_Linear] = []
     for i in range(shape.layers):
         p = f"model.layers.{i}"
-        out.append((f"{p}.self_attn.qkv_proj.weight", ((shape.heads + 2 * shape.kv_heads) * hd, h)))
-        out.append((f"{p}.self_attn.o_proj.weight", (h, shape.heads * hd)))
+        q, kv = shape.heads * hd, shape.kv_heads * hd
+        out.append(_Linear(f"{p}.self_attn.qkv_proj.weight", (q + 2 * kv, h), (q, kv, kv)))
+        out.append(_Linear(f"{p}.self_attn.o_proj.weight", (h, q), (h,)))
         if shape.is_moe:
             e, mi = shape.experts, shape.moe_intermediate
-            out.append((f"{p}.{EXPERTS}.w13_weight", (e, 2 * mi, h)))
-            out.append((f"{p}.{EXPERTS}.w2_weight", (e, h, mi)))
+            out.append(_Linear(f"{p}.{EXPERTS}.w13_weight", (e, 2 * mi, h), (mi, mi)))
+            out.append(_Linear(f"{p}.{EXPERTS}.w2_weight", (e, h, mi), (h,)))
         else:
-            out.append((f"{p}.mlp.gate_up_proj.weight", (2 * shape.intermediate, h)))
-            out.append((f"{p}.mlp.down_proj.weight", (h, shape.intermediate)))
+            im = shape.intermediate
+            out.append(_Linear(f"{p}.mlp.gate_up_proj.weight", (2 * im, h), (im, im)))
+            out.append(_Linear(f"{p}.mlp.down_proj.weight", (h, im), (h,)))
     return out
 
 
@@ -105,32 +191,35 @@ def _layer(param: str) -> str:
 
 
 def quantized_param_names(shape: ModelShape, rules: QuantRules = DEFAULT_RULES) -> list[str]:
-    """The values parameters that are MXFP8 in an MXFP8 engine; each has a ``scale_param``.
+    """The values parameters that are quantized in a quantized engine; each has a scale param.
 
     These are the linear and expert weights whose layer ``rules`` do not exclude; everything
     else (router, norms, embed_tokens, lm_head, excluded layers) stays BF16.
     """
-    return [n for n, _ in _linear_params(shape) if not rules.excludes_layer(_layer(n), shape.layers)]
+    return [w.name for w in _linear_params(shape) if not rules.excludes_layer(_layer(w.name), shape.layers)]
 
 
-def _quantized(shape: ModelShape, mxfp8: bool, quantized: Collection[str] | None, rules: QuantRules) -> set[str]:
-    """The values params held as MXFP8: the given subset of the linear weights (a live engine's
-    own), else those whose layer ``rules`` quantize."""
-    if not mxfp8:
+def _quantized(shape: ModelShape, layout: QuantLayout | None, quantized: Collection[str] | None,
+               rules: QuantRules) -> set[str]:
+    """The values params held quantized: the given subset of the linear weights (a live
+    engine's own), else those whose layer ``rules`` quantize."""
+    if layout is None:
         return set()
     if quantized is None:
         _check_rules(shape, rules)
         return set(quantized_param_names(shape, rules))
-    unknown = set(quantized) - {n for n, _ in _linear_params(shape)}
+    unknown = set(quantized) - {w.name for w in _linear_params(shape)}
     if unknown:
         raise ValueError(f"{shape.name}: {sorted(unknown)[:5]} are not quantizable linear weights of this layout")
     return set(quantized)
 
 
 def _check_rules(shape: ModelShape, rules: QuantRules) -> None:
-    """This layout keeps lm_head and the router BF16: rules that vLLM would read otherwise are refused."""
-    if rules.format != FORMAT_MXFP8:
-        raise ValueError(f"{shape.name}: rules for {rules.quant_algo} given to an MXFP8 layout")
+    """This layout keeps lm_head and the router BF16: rules that vLLM would read otherwise are refused.
+
+    The rules decide which layers are quantized; the layout's format (MXFP8, FP8-block) is the
+    engine's choice, as in ``eligibility.check_rules``.
+    """
     kept = ["lm_head"] + ([f"model.layers.{i}.mlp.gate" for i in range(shape.layers)] if shape.is_moe else [])
     quantized = [layer for layer in kept if not rules.excludes_layer(layer, shape.layers)]
     if quantized:
@@ -141,31 +230,56 @@ def _check_rules(shape: ModelShape, rules: QuantRules) -> None:
         )
 
 
-def _check(shape: ModelShape, held: set[str]) -> None:
+def _check_quantizable(shape: ModelShape, layout: QuantLayout, w: _Linear) -> None:
+    """Refuse, naming the rule, a weight vLLM cannot hold in ``layout`` (or that this layout does not model)."""
+    bn, bk = layout.block
+    if layout.whole_k_blocks and w.shape[-1] % bk:
+        raise ValueError(f"{shape.name}: {w.name} has K={w.shape[-1]}, not a multiple of the {layout.label} block {bk}")
+    if f".{EXPERTS}." in w.name and shape.moe_intermediate % bn:
+        raise ValueError(
+            f"{shape.name}: {w.name}: the expert intermediate size per rank ({shape.moe_intermediate}) is not a "
+            f"multiple of the {layout.label} block ({bn}); vLLM then refines the expert scale grid and repeats each "
+            f"checkpoint scale over it (refine_fp8_moe_block_shape), a refined scale grid mxrefit's tables do not "
+            f"support yet"
+        )
+    ragged = [p for p in w.partitions[:-1] if p % bn]
+    if ragged:
+        raise ValueError(
+            f"{shape.name}: {w.name} fuses partitions of {list(w.partitions)} rows; {layout.label} keeps one scale "
+            f"row per {bn} rows, so every partition but the last must be a multiple of {bn} (vLLM refuses this "
+            f"layer too: validate_fp8_block_shape)"
+        )
+
+
+def _check(shape: ModelShape, held: set[str], layout: QuantLayout | None) -> None:
     if (shape.vocab * shape.tp_share) % VOCAB_PADDING:
         raise ValueError(
             f"{shape.name}: vLLM pads the vocabulary ({shape.vocab * shape.tp_share}) to a multiple of "
             f"{VOCAB_PADDING}; the padding rows of embed_tokens/lm_head have no trainer tensor, which "
             f"this layout does not model"
         )
-    for name, s in _linear_params(shape):
-        if name in held and s[-1] % BLOCK:
-            raise ValueError(f"{shape.name}: {name} has K={s[-1]}, not a multiple of the MXFP8 block {BLOCK}")
+    for w in _linear_params(shape):
+        if w.name in held:
+            _check_quantizable(shape, layout, w)
 
 
 def vllm_params(
-    shape: ModelShape, *, mxfp8: bool, quantized: Collection[str] | None = None, rules: QuantRules = DEFAULT_RULES
+    shape: ModelShape, *, mxfp8: bool = False, fmt: str | None = None, quantized: Collection[str] | None = None,
+    rules: QuantRules = DEFAULT_RULES,
 ) -> dict[str, ParamSpec]:
     """Every weight parameter of vLLM's model, by name, in ``named_parameters()`` order.
 
-    With ``mxfp8`` the layers that ``rules`` quantize hold E4M3 values plus uint8 scales, as vLLM
-    builds them from ``rules.to_hf_quant_config``; excluded layers keep BF16 weights.
-    ``quantized`` instead names the MXFP8 linear weights directly (a live engine's own set).
+    With a quantized format (``fmt`` = ``"mxfp8"``, ``"fp8-block"``, ``"fp8-block-ue8m0"``;
+    ``mxfp8=True`` means ``"mxfp8"``) the layers that ``rules`` quantize hold E4M3 values plus
+    the format's scales (see ``QuantLayout``), as vLLM builds them from the checkpoint's config;
+    excluded layers keep BF16 weights. ``quantized`` instead names the quantized linear weights
+    directly (a live engine's own set).
     """
-    held = _quantized(shape, mxfp8, quantized, rules)
-    _check(shape, held)
+    layout = quant_layout(mxfp8=mxfp8, fmt=fmt)
+    held = _quantized(shape, layout, quantized, rules)
+    _check(shape, held, layout)
     h, hd = shape.hidden, shape.head_dim
-    linear = dict(_linear_params(shape))
+    linear = {w.name: w.shape for w in _linear_params(shape)}
     out: dict[str, ParamSpec] = {}
 
     def add(name: str, shp: tuple[int, ...], dtype: torch.dtype = DTYPE) -> None:
@@ -174,8 +288,8 @@ def vllm_params(
     def add_linear(name: str) -> None:
         shp = linear[name]
         if name in held:
-            add(name, shp, VALUE_DTYPE)
-            add(scale_param(name), (*shp[:-1], shp[-1] // BLOCK), SCALE_DTYPE)
+            add(name, shp, layout.value_dtype)
+            add(layout.scale_param(name), layout.scale_shape(shp), layout.scale_dtype)
         else:
             add(name, shp)
 
@@ -192,11 +306,11 @@ def vllm_params(
             w13, w2 = f"{p}.{EXPERTS}.w13_weight", f"{p}.{EXPERTS}.w2_weight"
             if (w13 in held) != (w2 in held):
                 raise ValueError(f"{p}: vLLM quantizes a MoE layer's w13 and w2 together; got only one of them")
-            if w13 in held:
-                add(w13, linear[w13], VALUE_DTYPE)
-                add(w2, linear[w2], VALUE_DTYPE)
-                add(scale_param(w13), (*linear[w13][:-1], h // BLOCK), SCALE_DTYPE)
-                add(scale_param(w2), (*linear[w2][:-1], shape.moe_intermediate // BLOCK), SCALE_DTYPE)
+            if w13 in held:  # MoE registers both values, then both scales
+                add(w13, linear[w13], layout.value_dtype)
+                add(w2, linear[w2], layout.value_dtype)
+                add(layout.scale_param(w13), layout.scale_shape(linear[w13]), layout.scale_dtype)
+                add(layout.scale_param(w2), layout.scale_shape(linear[w2]), layout.scale_dtype)
             else:
                 add(w13, linear[w13])
                 add(w2, linear[w2])
@@ -246,17 +360,20 @@ def _route(shape: ModelShape, hf_name: str) -> tuple[str, int]:
 
 
 def vllm_destinations(
-    shape: ModelShape, *, mxfp8: bool, experts: str = "per_expert", quantized: Collection[str] | None = None,
-    rules: QuantRules = DEFAULT_RULES,
+    shape: ModelShape, *, mxfp8: bool = False, fmt: str | None = None, experts: str = "per_expert",
+    quantized: Collection[str] | None = None, rules: QuantRules = DEFAULT_RULES,
 ) -> dict[str, Destination]:
     """For each HF tensor of ``hf_tensor_specs(shape, experts=experts)``, where its bytes go.
 
-    A tensor landing in a quantized parameter (``mxfp8=True``, its layer not excluded by
-    ``rules``) is sent as format ``"mxfp8"`` with two targets, values then scales; every other
-    tensor is ``"bf16"`` with one target.
+    A tensor landing in a quantized parameter (a quantized ``fmt``, its layer not excluded by
+    ``rules``) is sent in that format with two targets: its values rows, then its scales at
+    the scale rows those values start (one per row for MXFP8, one per 128-row tile for
+    FP8-block, whose fused partitions therefore stack tile rows); every other tensor is
+    ``"bf16"`` with one target.
     """
-    params = vllm_params(shape, mxfp8=mxfp8, quantized=quantized, rules=rules)
-    quantized = _quantized(shape, mxfp8, quantized, rules)
+    layout = quant_layout(mxfp8=mxfp8, fmt=fmt)
+    params = vllm_params(shape, fmt=layout.format if layout else FORMAT_BF16, quantized=quantized, rules=rules)
+    quantized = _quantized(shape, layout, quantized, rules)
     out: dict[str, Destination] = {}
     for name, src_shape, _ in hf_tensor_specs(shape, experts=experts):
         param, row = _route(shape, name)
@@ -272,12 +389,15 @@ def vllm_destinations(
                 f"(rows {row}..{row + rows}, last dim {k})"
             )
         if param in quantized:
-            sk = k // BLOCK
+            sname = layout.scale_param(param)
+            scale_row = layout.scale_row(spec.shape[-2], row)
+            scale_cols = params[sname].shape[-1]
             targets = (
-                Target(param, row * k * VALUE_DTYPE.itemsize, tuple(src_shape), VALUE_DTYPE),
-                Target(scale_param(param), row * sk * SCALE_DTYPE.itemsize, (*src_shape[:-1], sk), SCALE_DTYPE),
+                Target(param, row * k * layout.value_dtype.itemsize, tuple(src_shape), layout.value_dtype),
+                Target(sname, scale_row * scale_cols * layout.scale_dtype.itemsize, layout.scale_shape(tuple(src_shape)),
+                       layout.scale_dtype),
             )
-            out[name] = Destination(name, FORMAT_MXFP8, targets)
+            out[name] = Destination(name, layout.format, targets)
         else:
             out[name] = Destination(name, FORMAT_BF16, (Target(param, row * k * DTYPE.itemsize, tuple(src_shape), DTYPE),))
     return out
