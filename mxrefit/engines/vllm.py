@@ -3,7 +3,9 @@
 Inside a vLLM worker, ``VllmEngine`` describes the live model as mxrefit tables, built once:
 HF tensor names (per-expert or grouped experts) routed to vLLM's fused checkpoint-format
 parameters (``engines/vllm_layout.py``), with shapes and dtypes checked against the
-checkpoint-format metadata vLLM records when it builds the model. Every refit lands in a
+checkpoint-format metadata vLLM records when it builds the model, and the quantized format
+read from it too: ModelOpt MXFP8 (``weight`` + uint8 ``weight_scale``) or ``Fp8Config`` block
+FP8 (``weight`` + float32 ``weight_scale_inv``, 128x128 tiles). Every refit lands in a
 staging pool (``engines/staging.py``; only the layers in flight hold memory), and each
 layer, once its bytes are complete, goes through vLLM's own post-load processing — the
 same steps as vLLM's layerwise reload (materialize the checkpoint-format layer, run
@@ -49,7 +51,7 @@ import torch
 from mxrefit.devices import resolve
 from mxrefit.engines.base import Destination, Engine, ParamSpec, Target
 from mxrefit.engines.staging import StagedUnit, StagingPool
-from mxrefit.formats.mxfp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE
+from mxrefit.engines.vllm_layout import MXFP8_LAYOUT, QUANT_LAYOUTS, QuantLayout
 from mxrefit.shapes import EXPERT_LAYOUTS, ModelShape
 
 log = logging.getLogger("mxrefit.vllm")
@@ -95,14 +97,48 @@ def checkpoint_specs(model: torch.nn.Module) -> dict[str, tuple[tuple[int, ...],
     return out
 
 
-def _fast_tables(shape: ModelShape, live: dict, experts: str) -> tuple[dict[str, ParamSpec], dict[str, Destination], list[str]]:
-    """Tables from the known layout, checked against the live checkpoint-format params."""
+FP8_BLOCK_FORMATS = ("fp8-block", "fp8-block-ue8m0")
+
+
+def _quant_layouts(fp8_block: str) -> tuple[QuantLayout, ...]:
+    """The quantized layouts an engine may hold; ``fp8_block`` picks the wire format of block FP8."""
+    if fp8_block not in FP8_BLOCK_FORMATS:
+        raise VllmSetupError(f"fp8_block must be one of {FP8_BLOCK_FORMATS}, got {fp8_block!r}")
+    return MXFP8_LAYOUT, QUANT_LAYOUTS[fp8_block]
+
+
+def _scale_pairs(specs: dict, candidates: Iterable[str], layouts: tuple[QuantLayout, ...]) -> dict[str, tuple[QuantLayout, str]]:
+    """{values name: (layout, scale name)} for every E4M3 candidate whose sibling scale has a
+    layout's suffix and dtype (uint8 ``_scale``: MXFP8; float32 ``_scale_inv``: FP8-block).
+    ``specs`` maps names to tuples whose first two items are shape and dtype."""
+    out = {}
+    for name in candidates:
+        if name not in specs or specs[name][1] != torch.float8_e4m3fn:
+            continue
+        for layout in layouts:
+            scale = specs.get(layout.scale_param(name))
+            if scale is not None and scale[1] == layout.scale_dtype:
+                out[name] = (layout, layout.scale_param(name))
+    return out
+
+
+def _fast_tables(shape: ModelShape, live: dict, experts: str, fp8_block: str = "fp8-block"
+                 ) -> tuple[dict[str, ParamSpec], dict[str, Destination], list[str]]:
+    """Tables from the known layout, checked against the live checkpoint-format params.
+
+    The format is read from the live params too: E4M3 linear weights with uint8 ``_scale``
+    are MXFP8, with float32 ``_scale_inv`` FP8-block (sent as ``fp8_block``).
+    """
     from mxrefit.engines.vllm_layout import quantized_param_names, vllm_destinations, vllm_params
 
-    quantized = [p for p in quantized_param_names(shape) if p in live and live[p][1] == VALUE_DTYPE]
-    mx = bool(quantized)
-    params = vllm_params(shape, mxfp8=mx, quantized=quantized if mx else None)
-    dests = vllm_destinations(shape, mxfp8=mx, experts=experts, quantized=quantized if mx else None)
+    pairs = _scale_pairs(live, quantized_param_names(shape), _quant_layouts(fp8_block))
+    formats = sorted({layout.format for layout, _ in pairs.values()})
+    if len(formats) > 1:
+        return {}, {}, [f"{shape.name}: the live model mixes quantized formats {formats}"]
+    fmt = formats[0] if formats else "bf16"
+    quantized = list(pairs) if pairs else None
+    params = vllm_params(shape, fmt=fmt, quantized=quantized)
+    dests = vllm_destinations(shape, fmt=fmt, experts=experts, quantized=quantized)
     problems = []
     for name, spec in params.items():
         got = live.get(name)
@@ -136,19 +172,21 @@ _ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32
               "U8": torch.uint8, "I8": torch.int8, "I32": torch.int32, "I64": torch.int64}
 
 
-def _fallback_tables(manifest: dict) -> tuple[dict[str, ParamSpec], dict[str, Destination]]:
-    """One staging param per checkpoint tensor, named as the checkpoint names it; MXFP8
-    pairs (``x.weight`` fp8 + ``x.weight_scale`` uint8) become one mxfp8 destination."""
-    params, dests = {}, {}
+def _fallback_tables(manifest: dict, fp8_block: str = "fp8-block") -> tuple[dict[str, ParamSpec], dict[str, Destination]]:
+    """One staging param per checkpoint tensor, named as the checkpoint names it; quantized
+    pairs become one destination: ``x.weight`` fp8 + ``x.weight_scale`` uint8 (MXFP8) or
+    + ``x.weight_scale_inv`` float32 (FP8-block, sent as ``fp8_block``)."""
+    params = {name: ParamSpec(name, shape, dtype) for name, (shape, dtype) in manifest.items()}
+    pairs = _scale_pairs(manifest, manifest, _quant_layouts(fp8_block))
+    scales = {scale for _, scale in pairs.values()}
+    dests = {}
     for name, (shape, dtype) in manifest.items():
-        params[name] = ParamSpec(name, shape, dtype)
-    for name, (shape, dtype) in manifest.items():
-        if name.endswith("_scale") and name[: -len("_scale")] in manifest:
+        if name in scales:
             continue
-        scale = f"{name}_scale"
-        if dtype == VALUE_DTYPE and scale in manifest:
-            dests[name] = Destination(name, "mxfp8", (Target(name, 0, shape, VALUE_DTYPE),
-                                                      Target(scale, 0, manifest[scale][0], SCALE_DTYPE)))
+        if name in pairs:
+            layout, scale = pairs[name]
+            dests[name] = Destination(name, layout.format, (Target(name, 0, shape, layout.value_dtype),
+                                                            Target(scale, 0, manifest[scale][0], layout.scale_dtype)))
         else:
             dests[name] = Destination(name, "bf16", (Target(name, 0, shape, dtype),))
     return params, dests
@@ -216,10 +254,15 @@ class VllmEngine(Engine):
     """The live vLLM model of one worker (TP=1) as an mxrefit engine."""
 
     def __init__(self, model: torch.nn.Module, vllm_config: Any, device: torch.device | str, *,
-                 experts: str = "per_expert", verify: bool | None = None):
+                 experts: str = "per_expert", fp8_block: str = "fp8-block", verify: bool | None = None):
+        """``fp8_block`` is the wire format when vLLM holds block FP8 (``Fp8Config``): "fp8-block"
+        (float32 ``amax / 448`` scales, the checkpoint convention) or "fp8-block-ue8m0"
+        (power-of-two scales, what vLLM's DeepGEMM path re-quantizes every weight to after
+        loading: one rounding instead of two). MXFP8 and BF16 engines ignore it."""
         check_vllm_version()
         if experts not in EXPERT_LAYOUTS:
             raise VllmSetupError(f"experts must be one of {EXPERT_LAYOUTS}, got {experts!r}")
+        _quant_layouts(fp8_block)
         tp = vllm_config.parallel_config.tensor_parallel_size
         if tp != 1 or vllm_config.parallel_config.pipeline_parallel_size != 1:
             raise VllmSetupError(
@@ -236,11 +279,11 @@ class VllmEngine(Engine):
         self.slow_path: list[str] = []
         try:
             shape = ModelShape.from_hf_config(self.model_config.hf_config, name=str(self.model_config.model))
-            params, dests, problems = _fast_tables(shape, live, experts)
+            params, dests, problems = _fast_tables(shape, live, experts, fp8_block)
         except ValueError as err:
             problems = [str(err)]
         if problems:
-            params, dests = _fallback_tables(_manifest(self.model_config.model))
+            params, dests = _fallback_tables(_manifest(self.model_config.model), fp8_block)
             self.slow_path = list(params)
             log.warning(
                 "mxrefit: %d parameters take vLLM's own loader (slow path): %s%s. Why: %s",
@@ -381,10 +424,11 @@ class _WorkerRefit:
     """A Receiver serving one vLLM worker's model; refits are served on the worker's thread."""
 
     def __init__(self, worker: Any, *, address: str | None, token: bytes | None, experts: str,
-                 timeout_s: float, tcp: bool = False):
+                 timeout_s: float, tcp: bool = False, fp8_block: str = "fp8-block"):
         from mxrefit.receiver import Receiver
 
-        engine = VllmEngine(worker.model_runner.get_model(), worker.vllm_config, worker.device, experts=experts)
+        engine = VllmEngine(worker.model_runner.get_model(), worker.vllm_config, worker.device, experts=experts,
+                            fp8_block=fp8_block)
         self.engine = engine
         self.receiver = Receiver(engine, address=address, token=token, timeout_s=timeout_s, tcp=tcp)
 
@@ -409,12 +453,14 @@ class RefitWorkerExtension:
     ``llm.collective_rpc("mxrefit_init", kwargs=...)`` etc. Plain data in and out."""
 
     def mxrefit_init(self, address: str | None = None, token_hex: str | None = None, experts: str = "per_expert",
-                     timeout_s: float = 120.0, tcp: bool = False) -> dict:
-        """Build the engine tables and open the control socket; returns its address and token (hex)."""
+                     timeout_s: float = 120.0, tcp: bool = False, fp8_block: str = "fp8-block") -> dict:
+        """Build the engine tables and open the control socket; returns its address and token (hex).
+        ``fp8_block``: the wire format for a block-FP8 engine (``VllmEngine``)."""
         if getattr(self, "_mxrefit", None) is not None:
             self._mxrefit.close()
         token = bytes.fromhex(token_hex) if token_hex else None
-        self._mxrefit = _WorkerRefit(self, address=address, token=token, experts=experts, timeout_s=timeout_s, tcp=tcp)
+        self._mxrefit = _WorkerRefit(self, address=address, token=token, experts=experts, timeout_s=timeout_s, tcp=tcp,
+                                     fp8_block=fp8_block)
         return self._mxrefit.info()
 
     def mxrefit_receive(self, refits: int = 1) -> dict:
@@ -458,6 +504,7 @@ def _engine_classes():
         token_hex: str
         experts: str = "per_expert"
         timeout_s: float = 120.0
+        fp8_block: str = "fp8-block"
 
     @dataclass
     class MxrefitUpdateInfo(WeightTransferUpdateInfo):
@@ -472,7 +519,8 @@ def _engine_classes():
             from mxrefit.receiver import Receiver
 
             self.shutdown()
-            engine = VllmEngine(self.model, self.vllm_config, self.device, experts=init_info.experts)
+            engine = VllmEngine(self.model, self.vllm_config, self.device, experts=init_info.experts,
+                                fp8_block=init_info.fp8_block)
             self.receiver = Receiver(engine, address=init_info.address, token=bytes.fromhex(init_info.token_hex),
                                      timeout_s=init_info.timeout_s)
 
@@ -499,13 +547,15 @@ def _engine_classes():
 
     @dataclass
     class MxrefitTrainerInitInfo(TrainerInitInfo):
-        """Trainer side: the device the trainer's tensors live on, bucket size, expert layout."""
+        """Trainer side: the device the trainer's tensors live on, bucket size, expert layout,
+        and the wire format for a block-FP8 engine (``VllmEngine``'s ``fp8_block``)."""
 
         backend: ClassVar[str] = BACKEND
         device: str = "cpu"
         bucket_bytes: int = 512 << 20
         experts: str = "per_expert"
         timeout_s: float = 120.0
+        fp8_block: str = "fp8-block"
 
     class MxrefitTrainerEngine(TrainerWeightTransferEngine[MxrefitTrainerInitInfo]):
         """Plans once from ``source.metadata()``, then each ``send_weights`` streams the source
@@ -526,7 +576,8 @@ def _engine_classes():
             if engine.is_sender:
                 address, token = private_ipc_address(), new_token()
                 client.init_weight_transfer_engine({"address": address, "token_hex": token.hex(),
-                                                    "experts": init_info.experts, "timeout_s": init_info.timeout_s})
+                                                    "experts": init_info.experts, "timeout_s": init_info.timeout_s,
+                                                    "fp8_block": init_info.fp8_block})
                 engine.sender = Sender(address, token, device=init_info.device, bucket_bytes=init_info.bucket_bytes,
                                        timeout_s=init_info.timeout_s)
                 engine.specs = [SourceSpec(m.name, tuple(m.shape), m.dtype) for m in source.metadata()]
