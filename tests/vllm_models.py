@@ -30,6 +30,17 @@ def qwen3_dense(seed: int):
     return Qwen3ForCausalLM(cfg).to(torch.bfloat16)
 
 
+def qwen3_dense_fp8(seed: int):
+    """A dense Qwen3 vLLM can hold in 128x128 block FP8: q and k partitions of 256 and 128 rows,
+    gate/up of 640 (every fused partition starts on a tile); hidden 320 leaves partial edge tiles."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=320, intermediate_size=640, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=False)
+    return Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+
+
 def qwen2(seed: int):
     """An architecture mxrefit's layout tables do not know (biases on q/k/v): vLLM's loader path."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -101,26 +112,31 @@ def vllm_prompt_logprobs(llm, prompts=PROMPTS) -> list[list[float]]:
     return result
 
 
-def dequantized_copy(model):
-    """The trainer model as an MXFP8 engine holds it: eligible weights through quantize/dequantize."""
+def dequantized_copy(model, fmt: str = "mxfp8"):
+    """The trainer model as an engine holding ``fmt`` ("mxfp8", "fp8-block", "fp8-block-ue8m0")
+    holds it: eligible weights through that format's quantize/dequantize."""
     from mxrefit.eligibility import DEFAULT_RULES
-    from mxrefit.formats import mxfp8
+    from mxrefit.formats import fp8_block, mxfp8
 
+    roundtrip = {
+        "mxfp8": lambda w: mxfp8.dequantize(*mxfp8.quantize(w, backend="torch")),
+        "fp8-block": lambda w: fp8_block.dequantize(*fp8_block.quantize(w, backend="torch")),
+        "fp8-block-ue8m0": lambda w: fp8_block.dequantize(*fp8_block.quantize(w, use_ue8m0=True, backend="torch")),
+    }[fmt]
     ref = copy.deepcopy(model)
     quantized = DEFAULT_RULES.decide((n, tuple(p.shape)) for n, p in ref.named_parameters())
     with torch.no_grad():
         for name, p in ref.named_parameters():
             if quantized[name]:
-                p.copy_(mxfp8.dequantize(*mxfp8.quantize(p.detach(), backend="torch")))
+                p.copy_(roundtrip(p.detach()))
     return ref
 
 
-def start_llm(path: str, **kwargs):
+def start_llm(path: str, worker_extension_cls: str = "mxrefit.engines.vllm.RefitWorkerExtension", **kwargs):
     from vllm import LLM
 
     return LLM(model=path, skip_tokenizer_init=True, gpu_memory_utilization=0.05, enforce_eager=True,
-               max_model_len=128, max_num_seqs=8, worker_extension_cls="mxrefit.engines.vllm.RefitWorkerExtension",
-               **kwargs)
+               max_model_len=128, max_num_seqs=8, worker_extension_cls=worker_extension_cls, **kwargs)
 
 
 def stop_llm(llm) -> None:
