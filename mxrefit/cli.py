@@ -9,12 +9,17 @@ import sys
 
 def _bench(args: argparse.Namespace) -> int:
     from mxrefit.bench.report import plot, print_table
-    from mxrefit.bench.run import ALL_MODES, MODES, bench
+    from mxrefit.bench.run import ALL_MODES, MODES, bench, resolve_post
 
     modes = {"both": MODES, "all": ALL_MODES}.get(args.mode, (args.mode,))
+    try:
+        post = resolve_post(args.format, args.post)
+    except ValueError as err:
+        print(f"mxrefit bench: {err}", file=sys.stderr)
+        return 2
     result = bench(model=args.model, device=args.device, steps=args.steps, warmup=args.warmup, modes=modes,
-                   bucket_bytes=args.bucket_mb << 20, experts=args.experts, post=args.post, layers=args.layers,
-                   progress=not args.no_progress)
+                   bucket_bytes=args.bucket_mb << 20, experts=args.experts, post=post, layers=args.layers,
+                   progress=not args.no_progress, fmt=args.format)
     print_table(result)
     if args.json:
         with open(args.json, "w") as f:
@@ -26,6 +31,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from mxrefit.bench.run import FORMATS
     from mxrefit.shapes import BUILTIN
 
     parser = argparse.ArgumentParser(prog="mxrefit", description=__doc__)
@@ -38,8 +44,12 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--mode", default="both", choices=("both", "all", "baseline", "prequant", "prequant-buffers"),
                    help="both = baseline + prequant; all adds prequant-buffers (mxrefit through transfer buffers)")
     b.add_argument("--bucket-mb", type=int, default=512, help="transfer bucket size (raised to the largest tensor)")
-    b.add_argument("--post", default="trtllm", choices=("trtllm", "none"),
-                   help="engine post-load layout: FlashInfer TRT-LLM (MoE shuffle, scale swizzle) or none")
+    b.add_argument("--format", default="mxfp8", choices=FORMATS,
+                   help="engine's quantized format: MXFP8 (ModelOpt) or 128x128 block FP8 (Fp8Config; float32 or "
+                        "power-of-two scales)")
+    b.add_argument("--post", default=None, choices=("trtllm", "none"),
+                   help="engine post-load layout: FlashInfer TRT-LLM (MoE shuffle, scale swizzle; MXFP8 only, its "
+                        "default) or none (FP8-block's default and only choice)")
     b.add_argument("--layers", type=int, default=None, help="override the model's layer count (size sweeps)")
     b.add_argument("--experts", default="per_expert", choices=("per_expert", "grouped"), help="trainer's expert tensor layout")
     b.add_argument("--json", metavar="PATH", help="write every figure as one JSON object")

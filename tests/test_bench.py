@@ -34,3 +34,42 @@ def test_bench_with_grouped_expert_slabs(tmp_path):
     result = json.loads(out.read_text())
     assert result["modes"]["prequant"]["check"]["mismatched"] == []
     assert result["tensors"] < 100  # slabs: far fewer tensors than per-expert names
+
+
+def test_bench_fp8_block_engine_bytes_match(tmp_path):
+    """The FP8-block engine layout (Fp8Config: values + float32 scale_inv per 128x128 tile), no post-process:
+    both modes run, and the engine's bytes are fp8_block.quantize's (baseline quantizes on the engine)."""
+    out = tmp_path / "fp8.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "mxrefit", "bench", "--format", "fp8-block", "--steps", "2", "--no-progress", "--json", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert (result["format"], result["post"]) == ("fp8-block", "none")
+    pre, base = result["modes"]["prequant"], result["modes"]["baseline"]
+    assert pre["check"]["mismatched"] == [] and pre["check"]["tensors_checked"] >= 10
+    assert pre["check"]["kernel_layout_params_checked"] == 0
+    assert pre["bytes"] < base["bytes"] and len(pre["per_step"]) == 2
+    assert "fp8-block" in run.stdout and "identical" in run.stdout
+
+
+def test_bench_fp8_block_ue8m0_grouped(tmp_path):
+    out = tmp_path / "ue8m0.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "mxrefit", "bench", "--format", "fp8-block-ue8m0", "--steps", "1", "--mode", "prequant",
+         "--experts", "grouped", "--no-progress", "--json", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["format"] == "fp8-block-ue8m0" and result["modes"]["prequant"]["check"]["mismatched"] == []
+
+
+def test_bench_refuses_trtllm_post_for_fp8_block():
+    run = subprocess.run(
+        [sys.executable, "-m", "mxrefit", "bench", "--format", "fp8-block", "--post", "trtllm", "--no-progress"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert run.returncode == 2
+    assert "post 'trtllm' is FlashInfer's TRT-LLM MXFP8 layout; fp8-block has no post-process here" in run.stderr

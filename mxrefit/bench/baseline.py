@@ -2,7 +2,8 @@
 
 BF16 goes over the wire; per step two ping-pong buffers are allocated anew and their handles
 exported and opened per bucket; the trainer packs tensor by tensor, and the engine, tensor by
-tensor, quantizes to MXFP8 (vLLM's torch path) and copies into its parameters. With
+tensor, quantizes to its format (MXFP8 or FP8-block, vLLM's torch path: ``quantize_as``) and
+copies into its parameters. With
 ``post="trtllm"`` the engine then brings its MXFP8 weights into FlashInfer's TRT-LLM layout
 expert by expert and step by step (swap, reorder, shuffle, interleave), in place, as
 vLLM's loaders did before batching them.
@@ -18,13 +19,29 @@ import torch
 from mxrefit.engines import trtllm
 from mxrefit.engines.base import Destination, Engine
 from mxrefit.engines.vllm_layout import EXPERTS, scale_param
-from mxrefit.formats import mxfp8
+from mxrefit.formats import fp8_block, mxfp8
 from mxrefit.plan import align
 from mxrefit.sender import RefitReport
 from mxrefit.transport.buffers import create_buffers, default_kind, open_buffers
 from mxrefit.transport.control import ControlClient, ControlServer
 
 _OP_BUCKET = "baseline_bucket"
+_QUANTIZERS = {
+    "mxfp8": lambda x, backend, name: mxfp8.quantize(x, backend=backend, name=name),
+    "fp8-block": lambda x, backend, name: fp8_block.quantize(x, backend=backend, name=name),
+    "fp8-block-ue8m0": lambda x, backend, name: fp8_block.quantize(x, use_ue8m0=True, backend=backend, name=name),
+}
+
+
+def quantize_as(fmt: str, x: torch.Tensor, *, backend: str = "torch", name: str | None = None) -> tuple[torch.Tensor, ...]:
+    """``x`` encoded as format ``fmt``'s parts (values, scales) by that format's quantizer, one
+    tensor at a time; ``"bf16"`` is ``x`` itself."""
+    if fmt == "bf16":
+        return (x,)
+    try:
+        return _QUANTIZERS[fmt](x, backend, name)
+    except KeyError:
+        raise ValueError(f"no quantizer for format {fmt!r}; known: {sorted(_QUANTIZERS)}") from None
 
 
 class BaselineSender:
@@ -146,12 +163,8 @@ class BaselineReceiver:
                     dest = self.destinations[name]
                     n = 2 * math.prod(shape)  # the baseline ships bfloat16
                     src = buf[off : off + n].view(torch.bfloat16).view(shape)
-                    if dest.format == "mxfp8":
-                        values, scales = mxfp8.quantize(src, backend="torch", name=name)
-                        self._view(dest.targets[0]).copy_(values)
-                        self._view(dest.targets[1]).copy_(scales)
-                    else:
-                        self._view(dest.targets[0]).copy_(src)
+                    for target, part in zip(dest.targets, quantize_as(dest.format, src, name=name)):
+                        self._view(target).copy_(part)
                 if self.engine.device.type == "cuda":
                     torch.cuda.current_stream(self.engine.device).synchronize()
             finally:

@@ -14,7 +14,8 @@ def _ms(s: float) -> str:
 
 def print_table(result: dict[str, Any], console: Console | None = None) -> None:
     console = console or Console(width=max(120, Console().width))
-    title = (f"mxrefit bench — {result['model']} on {result['device_name']} ({result['tensors']:,} tensors, "
+    title = (f"mxrefit bench — {result['model']}, {result.get('format', 'mxfp8')}, post-process "
+             f"{result.get('post', 'trtllm')}, on {result['device_name']} ({result['tensors']:,} tensors, "
              f"median of {result['steps']} steps after {result['warmup']} warm-up)")
     table = Table(title=title)
     for col in ("mode", "check ms", "quantize/pack ms", "wait ms", "engine update ms", "post-process ms", "total ms",
@@ -57,7 +58,7 @@ def plot(result: dict[str, Any], path: str) -> None:
         left = [a + b for a, b in zip(left, vals)]
     ax.axvline(result["floor_s"] * 1e3, color="k", linestyle="--", label="copy floor")
     ax.set_xlabel("ms per refit (median)")
-    ax.set_title(f"{result['model']} on {result['device_name']}")
+    ax.set_title(f"{result['model']} ({result.get('format', 'mxfp8')}) on {result['device_name']}")
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -1,20 +1,28 @@
 """`mxrefit bench`: trainer and engine in two processes, modes A/B against the copy floor, one run.
 
 The trainer process (this one) makes random BF16 weights with the model's HF names and
-shapes; the engine process holds vLLM's MXFP8 checkpoint layout (fused qkv / w13 / w2,
-E4M3 values + uint8 scales; embeddings, router, norms, lm_head BF16) and, with
-``post="trtllm"`` (the default), brings it into FlashInfer's TRT-LLM kernel layout after
-every refit (MoE values/scales shuffled and interleaved, linear scales swizzled), timed as
-its own phase. Modes:
+shapes; the engine process holds vLLM's quantized checkpoint layout in format ``fmt`` (fused
+qkv / w13 / w2; embeddings, router, norms, lm_head BF16):
+- ``mxfp8`` (default): E4M3 values + uint8 scales per 32 (ModelOpt MXFP8). With
+  ``post="trtllm"`` (its default) the engine brings them into FlashInfer's TRT-LLM kernel
+  layout after every refit (MoE values/scales shuffled and interleaved, linear scales
+  swizzled), timed as its own phase.
+- ``fp8-block`` / ``fp8-block-ue8m0``: E4M3 values + float32 ``scale_inv`` per 128x128 tile
+  (``Fp8Config``; float32 ``amax / 448`` or power-of-two scales). No post-process
+  (``post="none"``, required): Hopper's generic block kernel (CUTLASS/Triton) reads the
+  checkpoint layout as loaded; DeepGEMM's UE8M0 re-quantization and scale re-layout is not
+  modelled.
+Modes:
 - ``baseline``: BF16 over the wire, buffers and handles new each step, the engine quantizes
-  tensor by tensor, then post-processes expert by expert (``mxrefit.bench.baseline``);
-- ``prequant``: mxrefit — MXFP8 quantized on the trainer straight into the engine's memory
+  tensor by tensor (``baseline.quantize_as``), then post-processes expert by expert
+  (``mxrefit.bench.baseline``);
+- ``prequant``: mxrefit — quantized on the trainer straight into the engine's memory
   (direct transport), post-processed layer by layer as buckets land, in one gather each;
 - ``prequant-buffers``: mxrefit through two persistent transfer buffers instead.
 After the last step of an mxrefit mode the engine's bytes for one tensor of every family
-are compared (sha256) with ``mxfp8.quantize`` of the trainer's tensors, brought into the
-kernel layout by plain indexing (``trtllm.reference_kernel_bytes``) where the engine
-post-processes.
+are compared (sha256) with the format's quantizer applied to the trainer's tensors, brought
+into the kernel layout by plain indexing (``trtllm.reference_kernel_bytes``) where the
+engine post-processes.
 """
 
 from __future__ import annotations
@@ -29,16 +37,34 @@ from typing import Any
 import torch
 
 from mxrefit.devices import resolve
+from mxrefit.bench.baseline import quantize_as
 from mxrefit.engines.layout import LayoutEngine
 from mxrefit.engines.trtllm import reference_kernel_bytes, vllm_mxfp8_units
 from mxrefit.engines.vllm_layout import quantized_param_names, scale_param, vllm_destinations, vllm_params
-from mxrefit.formats import mxfp8
 from mxrefit.plan import SourceSpec
 from mxrefit.shapes import BUILTIN, ModelShape, hf_tensor_specs
 
 MODES = ("baseline", "prequant")
 ALL_MODES = ("baseline", "prequant", "prequant-buffers")
 POST = ("trtllm", "none")
+FORMATS = ("mxfp8", "fp8-block", "fp8-block-ue8m0")
+
+
+def resolve_post(fmt: str, post: str | None) -> str:
+    """The engine's post-load layout for ``fmt``: by default TRT-LLM's for MXFP8, none for FP8-block."""
+    if fmt not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
+    if post is None:
+        return "trtllm" if fmt == "mxfp8" else "none"
+    if post not in POST:
+        raise ValueError(f"post must be one of {POST}, got {post!r}")
+    if post == "trtllm" and fmt != "mxfp8":
+        raise ValueError(
+            f"post 'trtllm' is FlashInfer's TRT-LLM MXFP8 layout; {fmt} has no post-process here (Hopper's generic "
+            f"block kernel reads the checkpoint layout as loaded; DeepGEMM's UE8M0 re-layout is not modelled): "
+            f"use post 'none'"
+        )
+    return post
 
 
 def resolve_shape(model: str, layers: int | None = None) -> ModelShape:
@@ -57,7 +83,8 @@ def _post_params(shape: ModelShape, post: str) -> set[str]:
     return {scale_param(n) for n in names} | {n for n in names if ".experts." in n}
 
 
-def _engine_main(conn, shape: ModelShape, mode: str, device: str, timeout_s: float, experts: str, post: str) -> None:
+def _engine_main(conn, shape: ModelShape, mode: str, device: str, timeout_s: float, experts: str, post: str,
+                 fmt: str) -> None:
     """Engine process: build the layout, serve refits until told to stop, report memory."""
     from mxrefit.bench.baseline import BaselineReceiver
     from mxrefit.receiver import Receiver
@@ -65,8 +92,8 @@ def _engine_main(conn, shape: ModelShape, mode: str, device: str, timeout_s: flo
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    params = vllm_params(shape, mxfp8=True)
-    dests = vllm_destinations(shape, mxfp8=True, experts=experts)
+    params = vllm_params(shape, fmt=fmt)
+    dests = vllm_destinations(shape, fmt=fmt, experts=experts)
     if mode == "baseline":
         engine = LayoutEngine(params, dests, dev)
     else:
@@ -139,26 +166,26 @@ def _checkpoint_param(param: str, nbytes: int, engine_dests, weights: dict[str, 
     for name, dest in engine_dests.items():
         if not any(t.param == param for t in dest.targets):
             continue
-        parts = mxfp8.quantize(weights[name]) if dest.format == "mxfp8" else (weights[name],)
-        for tgt, part in zip(dest.targets, parts):
+        for tgt, part in zip(dest.targets, quantize_as(dest.format, weights[name], backend="auto")):
             if tgt.param == param:
                 out[tgt.offset : tgt.offset + tgt.nbytes] = part.contiguous().view(-1).view(torch.uint8)
     return out
 
 
-def _sample_check(sender, shape: ModelShape, engine_dests, weights: dict[str, torch.Tensor], post: str) -> dict[str, Any]:
-    """Engine bytes of one tensor per family equal quantize() of the trainer's tensor; where the
-    engine serves a kernel layout, the whole param is compared with the reference layout."""
+def _sample_check(sender, shape: ModelShape, engine_dests, weights: dict[str, torch.Tensor], post: str,
+                  fmt: str = "mxfp8") -> dict[str, Any]:
+    """Engine bytes of one tensor per family equal the format's quantizer on the trainer's tensor;
+    where the engine serves a kernel layout, the whole param is compared with the reference layout."""
     picked: dict[str, str] = {}
     for name in weights:
         picked.setdefault(_family(name), name)
     kernel_params = _post_params(shape, post)
-    params = vllm_params(shape, mxfp8=True)
+    params = vllm_params(shape, fmt=fmt)
     ranges, want, staged = [], [], set()
     for name in picked.values():
         dest = engine_dests[name]
         src = weights[name]
-        parts = mxfp8.quantize(src) if dest.format == "mxfp8" else (src.to(dest.targets[0].dtype),)
+        parts = quantize_as(dest.format, src, backend="auto", name=name) if dest.format != "bf16" else (src.to(dest.targets[0].dtype),)
         for tgt, part in zip(dest.targets, parts):
             if tgt.param in kernel_params:
                 staged.add(tgt.param)
@@ -179,14 +206,15 @@ def _sample_check(sender, shape: ModelShape, engine_dests, weights: dict[str, to
 
 def run_mode(mode: str, shape: ModelShape, device: torch.device, weights: dict[str, torch.Tensor], *,
              steps: int, warmup: int, bucket_bytes: int, timeout_s: float, experts: str, post: str,
-             on_step=None) -> dict[str, Any]:
+             fmt: str = "mxfp8", on_step=None) -> dict[str, Any]:
     from mxrefit.bench.baseline import BaselineSender
     from mxrefit.sender import Sender
     from mxrefit.transport.buffers import default_kind
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_engine_main, args=(child, shape, mode, str(device), timeout_s, experts, post), daemon=True)
+    proc = ctx.Process(target=_engine_main, args=(child, shape, mode, str(device), timeout_s, experts, post, fmt),
+                       daemon=True)
     proc.start()
     try:
         if not parent.poll(600):
@@ -218,7 +246,8 @@ def run_mode(mode: str, shape: ModelShape, device: torch.device, weights: dict[s
         result: dict[str, Any] = {"mode": mode, "steps": [asdict(r) for r in reports]}
         if mode != "baseline":
             result["transport"] = sender.transport
-            result["check"] = _sample_check(sender, shape, vllm_destinations(shape, mxfp8=True, experts=experts), weights, post)
+            result["check"] = _sample_check(sender, shape, vllm_destinations(shape, fmt=fmt, experts=experts), weights, post,
+                                            fmt)
         result["trainer_peak_extra_bytes"] = torch.cuda.max_memory_allocated(device) - base_mem if device.type == "cuda" else 0
         sender.close(shutdown_engine=True)
         result.update(parent.recv() if parent.poll(60) else {})
@@ -251,13 +280,13 @@ def summarize(result: dict[str, Any]) -> dict[str, float]:
 
 def bench(model: str = "tiny-qwen3-moe", device: str = "auto", steps: int = 5, warmup: int = 1,
           modes: tuple[str, ...] = MODES, bucket_bytes: int = 512 << 20, timeout_s: float = 300.0,
-          experts: str = "per_expert", post: str = "trtllm", layers: int | None = None,
-          progress: bool = True) -> dict[str, Any]:
-    """Run the benchmark and return one JSON-able object with every figure."""
+          experts: str = "per_expert", post: str | None = None, layers: int | None = None,
+          progress: bool = True, fmt: str = "mxfp8") -> dict[str, Any]:
+    """Run the benchmark and return one JSON-able object with every figure. ``fmt``: the engine's
+    quantized format (``FORMATS``); ``post`` None picks its default (``resolve_post``)."""
     from rich.progress import Progress
 
-    if post not in POST:
-        raise ValueError(f"post must be one of {POST}, got {post!r}")
+    post = resolve_post(fmt, post)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else torch.device(device)
     dev = resolve(dev)
     shape = resolve_shape(model, layers)
@@ -266,19 +295,19 @@ def bench(model: str = "tiny-qwen3-moe", device: str = "auto", steps: int = 5, w
         task = bar.add_task(f"weights for {shape.name}", total=len(specs))
         weights = make_weights(specs, dev, progress=lambda: bar.advance(task))
         trainer_bytes = sum(t.numel() * t.element_size() for t in weights.values())
-        engine_bytes = sum(p.nbytes for p in vllm_params(shape, mxfp8=True).values())
+        engine_bytes = sum(p.nbytes for p in vllm_params(shape, fmt=fmt).values())
         bw = copy_bandwidth(dev, min(1 << 30, max(64 << 20, engine_bytes)) if dev.type == "cpu" else 4 << 30)
         results = {}
         for mode in modes:
             task = bar.add_task(f"{mode} refits", total=warmup + steps)
             results[mode] = run_mode(mode, shape, dev, weights, steps=steps, warmup=warmup, bucket_bytes=bucket_bytes,
-                                     timeout_s=timeout_s, experts=experts, post=post,
+                                     timeout_s=timeout_s, experts=experts, post=post, fmt=fmt,
                                      on_step=lambda t=task: bar.advance(t))
     out: dict[str, Any] = {
         "model": shape.name, "device": str(dev), "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "tensors": len(specs), "trainer_bf16_bytes": trainer_bytes, "engine_bytes": engine_bytes,
         "copy_GBps": bw / 1e9, "floor_s": (trainer_bytes + engine_bytes) / bw, "steps": steps, "warmup": warmup,
-        "bucket_bytes": bucket_bytes, "post": post, "experts": experts, "modes": {},
+        "bucket_bytes": bucket_bytes, "format": fmt, "post": post, "experts": experts, "modes": {},
     }
     for mode, res in results.items():
         out["modes"][mode] = {**summarize(res), **{k: v for k, v in res.items() if k != "steps"}, "per_step": res["steps"]}
