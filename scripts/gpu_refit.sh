@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # H200 run for the refit path, through the device tool with .whl/ (pyzmq) carried.
-#   PART=tests|30b|more   (default: all, which needs more than one 10-minute call)
+#   PART=tests|30b|more|fp8   (default: all, which needs more than one 10-minute call)
 # tests: CUDA-only tests (IPC buffers, direct writes, finite-check kernel) + the tiny model bench
 # 30b:   qwen3-30b-a3b exact shapes, baseline vs prequant (direct) vs prequant-buffers, TRT-LLM post-process
 # more:  qwen3-32b and qwen3-235b-a22b-ep8 (baseline vs prequant), and a layer sweep of qwen3-30b-a3b
+# fp8:   qwen3-30b-a3b in 128x128 block FP8 (vLLM Fp8Config layout, no post-process), all modes, and
+#        MXFP8 with --post none in the same call, so the two formats compare without post-processing
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 export PYTHONUNBUFFERED=1
@@ -17,6 +19,12 @@ if [[ $PART == all || $PART == tests ]]; then
 fi
 if [[ $PART == all || $PART == 30b ]]; then
   bench --model qwen3-30b-a3b --steps ${STEPS:-3} --bucket-mb ${BUCKET_MB:-512} --mode all --json $OUT/bench_30b.json --plot $OUT/bench_30b.png
+fi
+if [[ $PART == all || $PART == fp8 ]]; then
+  bench --model qwen3-30b-a3b --format fp8-block --steps ${STEPS:-3} --bucket-mb ${BUCKET_MB:-512} --mode all \
+    --json $OUT/bench_30b_fp8_block.json --plot $OUT/bench_30b_fp8_block.png
+  bench --model qwen3-30b-a3b --format mxfp8 --post none --steps ${STEPS:-3} --bucket-mb ${BUCKET_MB:-512} --mode prequant \
+    --json $OUT/bench_30b_mxfp8_nopost.json
 fi
 if [[ $PART == all || $PART == more ]]; then
   bench --model qwen3-32b --steps 3 --json $OUT/bench_32b.json --plot $OUT/bench_32b.png
