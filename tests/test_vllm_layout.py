@@ -172,12 +172,15 @@ FP8_FORMATS = ("fp8-block", "fp8-block-ue8m0")
 
 def _fp8_variants() -> list[tuple[str, ModelShape]]:
     """Shapes vLLM can hold in block FP8: every fused partition but the last a multiple of 128 rows.
-    ``ragged-dense`` has N and K that are not multiples of 128 (hidden 320: o_proj/down_proj rows,
-    qkv/gate_up columns), so tiles at the edges are partial."""
+    The ``ragged`` shapes have N and K that are not multiples of 128 (hidden 320: o_proj, down_proj
+    and each expert's w2 rows, qkv/gate_up/w13 columns), so tiles at the edges are partial and an
+    expert's scale rows do not follow from its value rows by division alone."""
     return [(s.name, s) for s in (
-        BUILTIN["tiny-qwen3-moe"], BUILTIN["qwen3-30b-a3b"], replace(BUILTIN["tiny-qwen3-moe"], name="tiny-tied", tied_embeddings=True),
-        BUILTIN["qwen3-235b-a22b-ep8"], BUILTIN["qwen3-32b"],
+        BUILTIN["tiny-qwen3-moe"], BUILTIN["qwen3-30b-a3b"], BUILTIN["qwen3-235b-a22b-ep8"], BUILTIN["qwen3-32b"],
+        replace(BUILTIN["tiny-qwen3-moe"], name="tiny-tied", tied_embeddings=True),
         ModelShape("ragged-dense", hidden=320, layers=2, heads=4, kv_heads=2, head_dim=64, vocab=512, intermediate=384),
+        ModelShape("ragged-moe", hidden=320, layers=2, heads=4, kv_heads=2, head_dim=64, vocab=512, intermediate=0,
+                   experts=4, moe_intermediate=128),
     )]
 
 

@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-from mxrefit.devices import resolve
 from mxrefit.bench.baseline import quantize_as
+from mxrefit.devices import resolve
 from mxrefit.engines.layout import LayoutEngine
 from mxrefit.engines.trtllm import reference_kernel_bytes, vllm_mxfp8_units
 from mxrefit.engines.vllm_layout import quantized_param_names, scale_param, vllm_destinations, vllm_params
@@ -185,7 +185,10 @@ def _sample_check(sender, shape: ModelShape, engine_dests, weights: dict[str, to
     for name in picked.values():
         dest = engine_dests[name]
         src = weights[name]
-        parts = quantize_as(dest.format, src, backend="auto", name=name) if dest.format != "bf16" else (src.to(dest.targets[0].dtype),)
+        if dest.format == "bf16":
+            parts = (src.to(dest.targets[0].dtype),)
+        else:
+            parts = quantize_as(dest.format, src, backend="auto", name=name)
         for tgt, part in zip(dest.targets, parts):
             if tgt.param in kernel_params:
                 staged.add(tgt.param)

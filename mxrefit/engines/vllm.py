@@ -107,7 +107,8 @@ def _quant_layouts(fp8_block: str) -> tuple[QuantLayout, ...]:
     return MXFP8_LAYOUT, QUANT_LAYOUTS[fp8_block]
 
 
-def _scale_pairs(specs: dict, candidates: Iterable[str], layouts: tuple[QuantLayout, ...]) -> dict[str, tuple[QuantLayout, str]]:
+def _scale_pairs(specs: dict, candidates: Iterable[str], layouts: tuple[QuantLayout, ...]
+                 ) -> dict[str, tuple[QuantLayout, str]]:
     """{values name: (layout, scale name)} for every E4M3 candidate whose sibling scale has a
     layout's suffix and dtype (uint8 ``_scale``: MXFP8; float32 ``_scale_inv``: FP8-block).
     ``specs`` maps names to tuples whose first two items are shape and dtype."""
