@@ -4,12 +4,36 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import torch
 
 
+def _faulty_engine(module, mxfp8: bool, fault: dict):
+    """A TorchEngine that dies (``os._exit(23)``) or stalls after bucket ``fault['bucket']`` of refit ``fault['refit']``.
+
+    The hook runs after the bucket's bytes landed and before the receiver answers ``applied``:
+    the engine is killed (or hung) mid-receive.
+    """
+    from mxrefit.engines.torch import TorchEngine
+
+    class FaultyEngine(TorchEngine):
+        refits_started = 0
+
+        def after_bucket(self, bucket: int) -> None:
+            if bucket == 0:
+                self.refits_started += 1
+            if self.refits_started == fault["refit"] and bucket == fault["bucket"]:
+                if fault["action"] == "die":
+                    os._exit(23)
+                time.sleep(fault["seconds"])
+
+    return FaultyEngine(module, mxfp8=mxfp8)
+
+
 def serve_tiny(conn, model: str, mxfp8: bool, timeout_s: float, tcp: bool = False, quant: str | None = None,
-               transactional: bool = False, tp: tuple[int, int] = (0, 1), die_in_refit: tuple[int, int] | None = None) -> None:
+               transactional: bool = False, tp: tuple[int, int] = (0, 1), die_in_refit: tuple[int, int] | None = None,
+               fault: dict | None = None) -> None:
     """A tiny transformers model behind a Receiver; ``tp`` = (rank, size) keeps that TP rank's slices.
 
     ``die_in_refit`` = (n, bucket): exit abruptly once bucket ``bucket`` of the n-th refit landed,
@@ -31,7 +55,8 @@ def serve_tiny(conn, model: str, mxfp8: bool, timeout_s: float, tcp: bool = Fals
 
     logging.basicConfig(level=logging.INFO)
     module = models.tiny_llama(seed=1) if model == "llama" else models.tiny_qwen3_moe(seed=1)
-    engine = MortalEngine(module, mxfp8=mxfp8, quant=quant, tp_rank=tp[0], tp_size=tp[1])
+    engine = (MortalEngine(module, mxfp8=mxfp8, quant=quant, tp_rank=tp[0], tp_size=tp[1]) if fault is None
+              else _faulty_engine(module, mxfp8, fault))
     receiver = Receiver(engine, timeout_s=timeout_s, tcp=tcp, transactional=transactional)
     conn.send({"address": receiver.address, "token": receiver.token})
     try:

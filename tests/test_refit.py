@@ -2,52 +2,25 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import re
 import time
 
 import pytest
-import torch
 
-import models
 from checks import engine_matches
-from engine_proc import dying_trainer, serve_tiny
+from engine_proc import dying_trainer
 from mxrefit.formats import mxfp8
 from mxrefit.plan import PlanMismatch, SourceSpec
 from mxrefit.sender import RefitError, Sender
-
-CTX = mp.get_context("spawn")
-
-
-class Engine:
-    def __init__(self, model="moe", mxfp8=False, timeout_s=30.0, quant=None):
-        self.conn, child = CTX.Pipe()
-        self.proc = CTX.Process(target=serve_tiny, args=(child, model, mxfp8, timeout_s), kwargs={"quant": quant}, daemon=True)
-        self.proc.start()
-        assert self.conn.poll(120), "engine did not start"
-        hello = self.conn.recv()
-        self.address, self.token = hello["address"], hello["token"]
-
-    def stop(self, sender=None):
-        if sender is not None:
-            sender.close(shutdown_engine=True)
-        self.proc.join(30)
-        if self.proc.is_alive():
-            self.proc.kill()
-
-
-def _weights(seed: int, model="moe") -> dict[str, torch.Tensor]:
-    m = models.tiny_llama(seed) if model == "llama" else models.tiny_qwen3_moe(seed)
-    return {n: p.detach() for n, p in m.named_parameters()}
-
+from refit_helpers import CTX, EngineProcess, tiny_weights
 
 @pytest.mark.parametrize("quant", [None, "mxfp8", "fp8-block", "fp8-block-ue8m0"], ids=["bf16", "mxfp8", "fp8-block", "fp8-block-ue8m0"])
 def test_repeated_refits_land_exactly(quant):
-    engine = Engine(quant=quant)
+    engine = EngineProcess(quant=quant)
     sender = Sender(engine.address, engine.token, bucket_bytes=32 << 10)
     try:
         for step, seed in enumerate((11, 12, 13)):
-            weights = _weights(seed)
+            weights = tiny_weights(seed)
             report = sender.refit(weights)
             assert report.version == step + 1 and report.buckets > 3
             assert sender.status() == {"version": step + 1, "state": "ready", "error": None}
@@ -61,10 +34,10 @@ def test_repeated_refits_land_exactly(quant):
 
 def _refit_with_late_inf(sender: Sender) -> str:
     """Refit once, then again with +inf in the last FP8-block source; returns its name."""
-    sender.refit(_weights(51))
+    sender.refit(tiny_weights(51))
     plan = sender.plan_
     name = plan.sources[max(i for i, f in enumerate(plan.formats) if f == "fp8-block")].name
-    bad = _weights(52)
+    bad = tiny_weights(52)
     bad[name][-1, -1] = float("inf")
     with pytest.raises(RefitError, match=re.escape(f"non-finite values in [{name!r}]")):
         sender.refit(bad)
@@ -73,7 +46,7 @@ def _refit_with_late_inf(sender: Sender) -> str:
 
 def test_fp8_block_encoder_flags_non_finite_while_packing():
     """With the sender's pre-check off, the format's own non-finite report aborts the refit."""
-    engine = Engine(quant="fp8-block")
+    engine = EngineProcess(quant="fp8-block")
     sender = Sender(engine.address, engine.token, bucket_bytes=32 << 10, check_finite=False)
     try:
         _refit_with_late_inf(sender)
@@ -83,11 +56,11 @@ def test_fp8_block_encoder_flags_non_finite_while_packing():
 
 
 def test_refit_after_a_non_finite_abort_repairs():
-    engine = Engine(quant="fp8-block")
+    engine = EngineProcess(quant="fp8-block")
     sender = Sender(engine.address, engine.token, bucket_bytes=32 << 10, check_finite=False)
     try:
         _refit_with_late_inf(sender)
-        repaired = _weights(53)
+        repaired = tiny_weights(53)
         assert sender.refit(repaired).version == 2 and sender.status()["state"] == "ready"
         assert engine_matches(sender, repaired) == []
     finally:
@@ -95,10 +68,10 @@ def test_refit_after_a_non_finite_abort_repairs():
 
 
 def test_a_tensor_larger_than_the_bucket_is_sent():
-    engine = Engine(model="llama")
+    engine = EngineProcess(model="llama")
     sender = Sender(engine.address, engine.token, bucket_bytes=4096)
     try:
-        weights = _weights(3, "llama")
+        weights = tiny_weights(3, "llama")
         report = sender.refit(weights)
         assert sender.plan_.bucket_bytes >= max(t.numel() * t.element_size() for t in weights.values())
         assert report.buckets > 1 and engine_matches(sender, weights) == []
@@ -107,21 +80,21 @@ def test_a_tensor_larger_than_the_bucket_is_sent():
 
 
 def test_mismatched_input_is_refused_before_anything_is_written():
-    engine = Engine(mxfp8=True)
+    engine = EngineProcess(mxfp8=True)
     sender = Sender(engine.address, engine.token)
     try:
-        good = _weights(21)
+        good = tiny_weights(21)
         sender.refit(good)
-        bad = dict(_weights(22))
+        bad = dict(tiny_weights(22))
         name = "model.layers.0.self_attn.o_proj.weight"
         bad[name] = bad[name][:, :96].contiguous()
         with pytest.raises(PlanMismatch, match="o_proj"):
             sender.refit(bad)
-        nan = dict(_weights(23))
+        nan = dict(tiny_weights(23))
         nan[name][0, 0] = float("nan")
         with pytest.raises(mxfp8.NonFiniteError, match="nothing was sent"):
             sender.refit(nan)
-        missing = dict(_weights(24))
+        missing = dict(tiny_weights(24))
         missing.pop("model.norm.weight")
         with pytest.raises(PlanMismatch, match="model.norm.weight"):
             sender.refit(missing)
@@ -132,11 +105,11 @@ def test_mismatched_input_is_refused_before_anything_is_written():
 
 
 def test_engine_refuses_a_plan_that_is_not_its_own():
-    engine = Engine()
+    engine = EngineProcess()
     sender = Sender(engine.address, engine.token)
     try:
         sender.connect()
-        specs = [SourceSpec(n, tuple(t.shape), t.dtype) for n, t in _weights(1).items()]
+        specs = [SourceSpec(n, tuple(t.shape), t.dtype) for n, t in tiny_weights(1).items()]
         specs[0] = SourceSpec(specs[0].name, (specs[0].shape[0] + 1, specs[0].shape[1]), specs[0].dtype)
         reply = sender.client.request({"op": "plan", "sources": [[s.name, list(s.shape), "bfloat16"] for s in specs],
                                        "bucket_bytes": 1 << 20, "slots": 2, "digest": "0" * 64, "buffers": {}}, 30, step="bad plan")
@@ -148,13 +121,13 @@ def test_engine_refuses_a_plan_that_is_not_its_own():
 
 
 def test_wrong_token_cannot_refit():
-    engine = Engine()
+    engine = EngineProcess()
     intruder = Sender(engine.address, b"x" * 32, timeout_s=5)
     sender = Sender(engine.address, engine.token)
     try:
         with pytest.raises(RefitError, match="refused"):
-            intruder.refit(_weights(31))
-        weights = _weights(32)
+            intruder.refit(tiny_weights(31))
+        weights = tiny_weights(32)
         sender.refit(weights)
         assert engine_matches(sender, weights) == []
     finally:
@@ -163,10 +136,10 @@ def test_wrong_token_cannot_refit():
 
 
 def test_trainer_killed_mid_refit_leaves_engine_partial_then_repaired():
-    engine = Engine(mxfp8=True, timeout_s=3.0)
+    engine = EngineProcess(mxfp8=True, timeout_s=3.0)
     sender = Sender(engine.address, engine.token, bucket_bytes=16 << 10)
     try:
-        first = _weights(41)
+        first = tiny_weights(41)
         sender.refit(first)
         dying = CTX.Process(target=dying_trainer, args=(engine.address, engine.token, "moe", 2))
         dying.start()
@@ -180,7 +153,7 @@ def test_trainer_killed_mid_refit_leaves_engine_partial_then_repaired():
         # buckets 0 and 1 were applied (acked); "ready" for 2 and 3 may or may not have left before os._exit
         assert "3 s timeout" in status["error"] and re.search(r"no bucket [234] of 5", status["error"]), status
         sender.plan([SourceSpec(n, tuple(w.shape), w.dtype) for n, w in first.items()])  # buffers again ours
-        repaired = _weights(42)
+        repaired = tiny_weights(42)
         report = sender.refit(repaired)
         assert report.version == 2 and sender.status()["state"] == "ready"
         assert engine_matches(sender, repaired) == []

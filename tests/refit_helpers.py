@@ -1,0 +1,93 @@
+"""Parent-side helpers of the two-process tests: an engine process, trainer weights, engine byte checks.
+
+Shared by the refit, fault, fuzz, security and soak tests so each checks engine bytes the
+same way: ``engine_matches`` (``checks.py``) asks the real engine for sha256 of every target
+byte range (the ``checksum`` op) and compares with what the trainer's tensors must become.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from typing import Callable
+
+import torch
+
+import models
+from checks import engine_matches, sha  # noqa: F401  (re-exported: the byte checks every two-process test uses)
+from engine_proc import serve_tiny
+from mxrefit.plan import SourceSpec
+from mxrefit.sender import Sender
+
+CTX = mp.get_context("spawn")
+
+
+class EngineProcess:
+    """A tiny transformers model behind a real Receiver in a spawned process (``engine_proc.serve_tiny``)."""
+
+    def __init__(self, model: str = "moe", mxfp8: bool = False, timeout_s: float = 30.0, quant: str | None = None,
+                 transactional: bool = False, fault: dict | None = None):
+        self.conn, child = CTX.Pipe()
+        options = {"quant": quant, "transactional": transactional, "fault": fault}
+        self.proc = CTX.Process(target=serve_tiny, args=(child, model, mxfp8, timeout_s), kwargs=options, daemon=True)
+        self.proc.start()
+        assert self.conn.poll(180), "engine did not start"
+        hello = self.conn.recv()
+        self.address, self.token = hello["address"], hello["token"]
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stop(self, sender: Sender | None = None) -> None:
+        if sender is not None:
+            sender.close(shutdown_engine=True)
+        self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(10)
+
+
+def tiny_weights(seed: int, model: str = "moe") -> dict[str, torch.Tensor]:
+    """A freshly initialised transformers model's parameters (the engine's model, other values)."""
+    m = models.tiny_llama(seed) if model == "llama" else models.tiny_qwen3_moe(seed)
+    return {n: p.detach() for n, p in m.named_parameters()}
+
+
+def trainer_specs(sender: Sender) -> list[SourceSpec]:
+    """The trainer tensors the connected engine expects, in its order (value shape = source shape)."""
+    if sender._tables is None:
+        sender.connect()
+    _, dests = sender._tables
+    return [SourceSpec(n, tuple(d.targets[0].shape), torch.bfloat16) for n, d in dests.items()]
+
+
+def random_weights(specs: list[SourceSpec], seed: int) -> dict[str, torch.Tensor]:
+    """Deterministic weights for ``specs`` with torch alone, so a trainer process needs no transformers."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for s in specs:
+        t = torch.randn(s.shape, generator=g, dtype=torch.float32).mul_(0.02)
+        if "norm" in s.name:
+            t.add_(1.0)
+        out[s.name] = t.to(s.dtype)
+    return out
+
+
+def specs_to_plain(specs: list[SourceSpec]) -> list[tuple[str, tuple[int, ...], str]]:
+    """Specs as plain data for a spawned process's arguments."""
+    return [(s.name, s.shape, str(s.dtype).removeprefix("torch.")) for s in specs]
+
+
+def specs_from_plain(plain: list[tuple[str, tuple[int, ...], str]]) -> list[SourceSpec]:
+    return [SourceSpec(n, tuple(shape), getattr(torch, dt)) for n, shape, dt in plain]
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, poll_s: float = 0.1) -> float:
+    """Seconds until ``predicate()`` held; AssertionError after ``timeout_s``."""
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout_s:
+            raise AssertionError(f"condition not met within {timeout_s} s")
+        time.sleep(poll_s)
+    return time.monotonic() - start
