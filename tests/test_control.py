@@ -6,6 +6,7 @@ import multiprocessing
 import os
 import shutil
 import stat
+import threading
 import time
 
 import msgpack
@@ -247,6 +248,53 @@ def test_oversized_messages_are_refused_on_both_sides():
                 server.send({"op": "reply", "pad": b"x" * 5000})
 
 
+def _stalling_server(server: ControlServer, stall_s: float) -> None:
+    """Thread: answers 'first' only after ``stall_s``, then answers every message at once until 'stop'."""
+    msg = server.recv(10, step="first")
+    time.sleep(stall_s)
+    server.send({"op": "answer", "to": msg["op"]})
+    while True:
+        msg = server.recv(10, step="next")
+        server.send({"op": "answer", "to": msg["op"]})
+        if msg["op"] == "stop":
+            return
+
+
+def test_a_late_reply_is_not_taken_for_the_answer_to_a_later_request():
+    """A peer that answers after the requester gave up must not shift every later answer by one."""
+    with ControlServer() as server, ControlClient(server.address, server.token) as client:
+        thread = threading.Thread(target=_stalling_server, args=(server, 0.5))
+        thread.start()
+        try:
+            with pytest.raises(PeerTimeout):
+                client.request({"op": "first"}, 0.2, step="the engine is stalled")
+            time.sleep(0.5)
+            assert client.request({"op": "second"}, 10, step="second") == {"op": "answer", "to": "second"}
+            client.send({"op": "pipelined-1"})
+            client.send({"op": "pipelined-2"})
+            assert client.recv(10, step="p1") == {"op": "answer", "to": "pipelined-1"}
+            assert client.recv(10, step="p2") == {"op": "answer", "to": "pipelined-2"}
+            assert client.request({"op": "stop"}, 10, step="stop") == {"op": "answer", "to": "stop"}
+        finally:
+            thread.join(10)
+
+
+def test_reserved_and_malformed_message_numbers_are_refused():
+    with ControlServer() as server, ControlClient(server.address, server.token) as client:
+        for key in ("seq", "re"):
+            with pytest.raises(ValueError, match="reserved for message numbers"):
+                client.send({"op": "x", key: 1})
+        ctx, raw = _raw_dealer(server.address)
+        try:
+            for seq in (-1, 2**63, "1", True, 1.5):
+                raw.send(msgpack.packb({"tok": server.token, "op": "numbered", "seq": seq}))
+            raw.send(msgpack.packb({"tok": server.token, "op": "valid", "seq": 7}))
+            assert server.recv(10, step="valid") == {"op": "valid"}
+            assert server.rejected == 5
+        finally:
+            _close_raw(ctx, raw)
+
+
 def test_send_refuses_bad_messages():
     with ControlServer() as server, ControlClient(server.address, server.token) as client:
         with pytest.raises(ControlError, match="no valid message"):
@@ -327,7 +375,10 @@ def _expected(frames: list[bytes]) -> dict | None:
         return None
     if not isinstance(obj, dict) or obj.get("tok") != FUZZ_TOKEN or not isinstance(obj.get("op"), str):
         return None
-    return {k: v for k, v in obj.items() if k != "tok"}
+    seq = obj.get("seq")
+    if "seq" in obj and seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq < 2**63):
+        return None
+    return {k: v for k, v in obj.items() if k not in ("tok", "seq")}
 
 
 def test_fuzzed_frames_never_crash_the_server_nor_pass_as_valid():

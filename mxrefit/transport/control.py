@@ -8,7 +8,10 @@ the peer. Malformed or foreign frames are dropped and answered with ``{"op": "re
 never raise out of the server.
 
 Wire format: one zmq message = one msgpack frame, a map with ``"tok"`` (bytes) and ``"op"`` (str).
-Only dict/list/str/bytes/int/float/bool/None cross; tuples arrive as lists.
+Only dict/list/str/bytes/int/float/bool/None cross; tuples arrive as lists. The client numbers its
+messages (``"seq"``) and the server's replies name the message they answer (``"re"``), so a reply
+that arrives after its request was given up (a peer that stalled past a timeout) is dropped
+instead of being taken for the answer to a later request.
 
 Threading: zmq sockets are not thread-safe. Use each ControlServer / ControlClient from one thread.
 """
@@ -33,6 +36,9 @@ log = logging.getLogger("mxrefit.control")
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
 TOKEN_BYTES = 32
 _TOKEN_KEY = "tok"
+_SEQ_KEY = "seq"
+_RE_KEY = "re"
+_MAX_SEQ = 2**63 - 1
 _SOCKET_NAME = "control.sock"
 _MAX_UNIX_PATH = 107
 _MAX_WHY_CHARS = 200
@@ -104,8 +110,8 @@ def _unpack(raw: bytes) -> Any:
         raise _Invalid(f"undecodable frame: {type(err).__name__}: {err}") from None
 
 
-def _encode(msg: dict[str, Any], token: bytes, limit: int) -> bytes:
-    """Add the token and pack; refuse messages the peer would drop, naming the op and size."""
+def _encode(msg: dict[str, Any], token: bytes, limit: int, number: tuple[str, int] | None = None) -> bytes:
+    """Add the token (and ``number``: ``("seq", n)`` or ``("re", n)``) and pack; refuse messages the peer would drop."""
     if not isinstance(msg, dict):
         raise TypeError(f"a control message must be a dict, not {type(msg).__name__}")
     op = msg.get("op")
@@ -113,8 +119,11 @@ def _encode(msg: dict[str, Any], token: bytes, limit: int) -> bytes:
         raise ValueError(f"a control message needs a str 'op', got {op!r}")
     if _TOKEN_KEY in msg:
         raise ValueError(f"'{_TOKEN_KEY}' is reserved for the session token (op {op!r})")
+    if _SEQ_KEY in msg or _RE_KEY in msg:
+        raise ValueError(f"'{_SEQ_KEY}' and '{_RE_KEY}' are reserved for message numbers (op {op!r})")
+    extra = {} if number is None else {number[0]: number[1]}
     try:
-        frame = _pack({**msg, _TOKEN_KEY: token})
+        frame = _pack({**msg, **extra, _TOKEN_KEY: token})
     except (TypeError, ValueError, OverflowError) as err:
         raise TypeError(f"op {op!r} carries a value msgpack cannot encode as plain data: {err}") from err
     if len(frame) > limit:
@@ -122,8 +131,8 @@ def _encode(msg: dict[str, Any], token: bytes, limit: int) -> bytes:
     return frame
 
 
-def _check_map(obj: Any, token: bytes) -> dict[str, Any]:
-    """Return the message without its token, or raise _Invalid."""
+def _check_map(obj: Any, token: bytes, number_key: str) -> tuple[dict[str, Any], int | None]:
+    """Return the message without its token and its number (``number_key``, None if absent), or raise _Invalid."""
     if not isinstance(obj, dict):
         raise _Invalid(f"frame is a msgpack {type(obj).__name__}, not a map")
     tok = obj.pop(_TOKEN_KEY, None)
@@ -131,7 +140,10 @@ def _check_map(obj: Any, token: bytes) -> dict[str, Any]:
         raise _Invalid("missing or wrong session token")
     if not isinstance(obj.get("op"), str):
         raise _Invalid("missing or non-string 'op'")
-    return obj
+    number = obj.pop(number_key, None)
+    if number is not None and (isinstance(number, bool) or not isinstance(number, int) or not 0 <= number <= _MAX_SEQ):
+        raise _Invalid(f"'{number_key}' must be an int in [0, 2**63), got {number!r:.40}")
+    return obj, number
 
 
 def _poll_frames(sock: zmq.Socket, poller: zmq.Poller, deadline: _Deadline, peer: str, step: str) -> list[bytes]:
@@ -212,6 +224,7 @@ class ControlServer:
         self.max_message_bytes = _checked_limit(max_message_bytes)
         self.rejected: int = 0
         self._peer_identity: bytes | None = None
+        self._reply_to: int | None = None
         self._private_dir: str | None = None
         bind_to = self._choose_address(address, tcp, allow_remote)
         self._ctx, self._sock = _new_socket(zmq.ROUTER, bind_to, max_message_bytes)
@@ -254,17 +267,17 @@ class ControlServer:
         while True:
             frames = _poll_frames(self._sock, self._poller, deadline, self._peer, step)
             try:
-                msg = self._validate(frames)
+                msg, seq = self._validate(frames)
             except _Invalid as bad:
                 self._reject(frames[0], bad.why)
                 continue
-            self._peer_identity = frames[0]
+            self._peer_identity, self._reply_to = frames[0], seq
             return msg
 
-    def _validate(self, frames: list[bytes]) -> dict[str, Any]:
+    def _validate(self, frames: list[bytes]) -> tuple[dict[str, Any], int | None]:
         if len(frames) != 2:
             raise _Invalid(f"expected one frame per message, got {len(frames) - 1}")
-        return _check_map(_unpack(frames[1]), self.token)
+        return _check_map(_unpack(frames[1]), self.token, _SEQ_KEY)
 
     def _reject(self, identity: bytes, why: str) -> None:
         """Count, log and answer a dropped frame; the answer carries no token and may be lost."""
@@ -277,11 +290,12 @@ class ControlServer:
             pass
 
     def send(self, msg: dict[str, Any]) -> None:
-        """Send to the connection of the last valid message (the authenticated trainer)."""
+        """Answer the last valid message, on its connection (the authenticated trainer)."""
         self._require_open()
         if self._peer_identity is None:
             raise ControlError(f"nothing to reply to on {self.address}: no valid message received yet")
-        frame = _encode(msg, self.token, self.max_message_bytes)
+        number = None if self._reply_to is None else (_RE_KEY, self._reply_to)
+        frame = _encode(msg, self.token, self.max_message_bytes, number)
         try:
             self._sock.send_multipart([self._peer_identity, frame])
         except zmq.ZMQError as err:
@@ -347,36 +361,51 @@ class ControlClient:
             raise
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
+        self._last_seq = 0
+        self._stale_below = 0
 
     @property
     def _peer(self) -> str:
         return f"the engine at {self.address}"
 
-    def send(self, msg: dict[str, Any]) -> None:
-        """Send one message; ValueError if it is over the size limit (named by op and size)."""
+    def send(self, msg: dict[str, Any]) -> int:
+        """Send one message and return its number; ValueError if it is over the size limit (named by op and size)."""
         self._require_open()
-        self._sock.send(_encode(msg, self.token, self.max_message_bytes))
+        seq = self._last_seq + 1
+        self._sock.send(_encode(msg, self.token, self.max_message_bytes, (_SEQ_KEY, seq)))
+        self._last_seq = seq
+        return seq
 
     def recv(self, timeout_s: float | None, *, step: str) -> dict[str, Any]:
-        """Next reply. ``rejected``/``error`` ops are returned, not raised; a bad reply raises ProtocolError."""
+        """Next reply. ``rejected``/``error`` ops are returned, not raised; a bad reply raises ProtocolError.
+
+        Replies to messages sent before the last ``request`` are late answers to a request that
+        was given up: they are dropped (logged) while the same deadline runs.
+        """
         self._require_open()
-        frames = _poll_frames(self._sock, self._poller, _Deadline(timeout_s), self._peer, step)
-        if len(frames) != 1:
-            raise ProtocolError(f"{self._peer} sent {len(frames)} frames while {step}; expected 1")
-        try:
-            obj = _unpack(frames[0])
-        except _Invalid as bad:
-            raise ProtocolError(f"{self._peer} sent a bad reply while {step}: {bad.why}") from None
-        if _is_rejection(obj):
-            return obj
-        try:
-            return _check_map(obj, self.token)
-        except _Invalid as bad:
-            raise ProtocolError(f"{self._peer} sent a bad reply while {step}: {bad.why}") from None
+        deadline = _Deadline(timeout_s)
+        while True:
+            frames = _poll_frames(self._sock, self._poller, deadline, self._peer, step)
+            if len(frames) != 1:
+                raise ProtocolError(f"{self._peer} sent {len(frames)} frames while {step}; expected 1")
+            try:
+                obj = _unpack(frames[0])
+            except _Invalid as bad:
+                raise ProtocolError(f"{self._peer} sent a bad reply while {step}: {bad.why}") from None
+            if _is_rejection(obj):
+                return obj
+            try:
+                msg, answers = _check_map(obj, self.token, _RE_KEY)
+            except _Invalid as bad:
+                raise ProtocolError(f"{self._peer} sent a bad reply while {step}: {bad.why}") from None
+            if answers is not None and answers < self._stale_below:
+                log.info("dropped a late %r reply from %s to message %d while %s", msg["op"], self._peer, answers, step)
+                continue
+            return msg
 
     def request(self, msg: dict[str, Any], timeout_s: float | None, *, step: str) -> dict[str, Any]:
-        """Send ``msg`` and wait for the reply."""
-        self.send(msg)
+        """Send ``msg`` and wait for its reply; from now on, replies to earlier messages are stale."""
+        self._stale_below = self.send(msg)
         return self.recv(timeout_s, step=step)
 
     def _require_open(self) -> None:
