@@ -240,7 +240,8 @@ class Receiver:
         if problem:
             self._reply({"op": "error", "kind": "refused", "problems": [problem], **self.status()})
             return
-        self._reply({"op": "begun", "version": version})
+        if not self._reply({"op": "begun", "version": version}):
+            return
         stats = ReceiveStats(version)
         start = time.perf_counter()
         expected = 0
@@ -284,7 +285,10 @@ class Receiver:
                     stats.bytes += self._appliers[expected].nbytes
                     stats.buckets += 1
                     expected += 1
-                    self._reply({"op": "applied", "bucket": expected - 1})
+                    if not self._reply({"op": "applied", "bucket": expected - 1}):
+                        self._fail(f"refit to version {version}: the trainer at {self.address} disconnected after bucket "
+                                   f"{expected - 1} of {len(self._appliers)}")
+                        return
                 elif op == "commit" and int(msg.get("version", -1)) == version and expected == len(self._appliers):
                     t = time.perf_counter()
                     if self.transactional:
@@ -312,12 +316,14 @@ class Receiver:
                 f"trainer at {self.address} within the {self.timeout_s:g} s timeout"
             )
 
-    def _reply(self, msg: dict) -> None:
-        """Answer the trainer; a trainer that already went away is logged, never fatal here."""
+    def _reply(self, msg: dict) -> bool:
+        """Answer the trainer; False if it already went away (logged, never fatal here)."""
         try:
             self.server.send(msg)
+            return True
         except ControlError as err:
             log.warning("could not answer %r: %s", msg.get("op"), err)
+            return False
 
     def _fetch(self, bucket: int) -> None:
         """Bring the bucket's bytes into our slot where the transport moves them (broadcast)."""

@@ -1,34 +1,11 @@
-"""An engine process for the tests: a tiny transformers model behind a real Receiver."""
+"""Process entry points for the two-process tests: an engine behind a real Receiver, trainers that fail (see faults.py)."""
 
 from __future__ import annotations
 
 import logging
 import os
-import time
 
 import torch
-
-
-def _faulty_engine(module, mxfp8: bool, fault: dict):
-    """A TorchEngine that dies (``os._exit(23)``) or stalls after bucket ``fault['bucket']`` of refit ``fault['refit']``.
-
-    The hook runs after the bucket's bytes landed and before the receiver answers ``applied``:
-    the engine is killed (or hung) mid-receive.
-    """
-    from mxrefit.engines.torch import TorchEngine
-
-    class FaultyEngine(TorchEngine):
-        refits_started = 0
-
-        def after_bucket(self, bucket: int) -> None:
-            if bucket == 0:
-                self.refits_started += 1
-            if self.refits_started == fault["refit"] and bucket == fault["bucket"]:
-                if fault["action"] == "die":
-                    os._exit(23)
-                time.sleep(fault["seconds"])
-
-    return FaultyEngine(module, mxfp8=mxfp8)
 
 
 def serve_tiny(conn, model: str, mxfp8: bool, timeout_s: float, tcp: bool = False, quant: str | None = None,
@@ -40,6 +17,7 @@ def serve_tiny(conn, model: str, mxfp8: bool, timeout_s: float, tcp: bool = Fals
     before the engine acknowledges it (a rank killed mid-refit).
     """
     import models
+    from faults import faulty_engine
     from mxrefit.engines.torch import TorchEngine
     from mxrefit.receiver import Receiver
 
@@ -56,7 +34,7 @@ def serve_tiny(conn, model: str, mxfp8: bool, timeout_s: float, tcp: bool = Fals
     logging.basicConfig(level=logging.INFO)
     module = models.tiny_llama(seed=1) if model == "llama" else models.tiny_qwen3_moe(seed=1)
     engine = (MortalEngine(module, mxfp8=mxfp8, quant=quant, tp_rank=tp[0], tp_size=tp[1]) if fault is None
-              else _faulty_engine(module, mxfp8, fault))
+              else faulty_engine(module, mxfp8, fault))
     receiver = Receiver(engine, timeout_s=timeout_s, tcp=tcp, transactional=transactional)
     conn.send({"address": receiver.address, "token": receiver.token})
     try:
@@ -82,6 +60,22 @@ def dying_trainer(address: str, token: bytes, model: str, die_after_acks: int, t
     module = models.tiny_llama(seed=5) if model == "llama" else models.tiny_qwen3_moe(seed=5)
     sender = DyingSender(address, token, bucket_bytes=16 << 10, transport=transport)
     sender.refit(dict(module.named_parameters()))
+
+
+def faulty_trainer(address: str, token: bytes, plain_specs: list, seeds: list[int], fault: dict,
+                   bucket_bytes: int, timeout_s: float) -> None:
+    """A trainer process that refits once per seed and is killed at the point ``fault`` names."""
+    from faults import FaultyClient
+    from mxrefit.sender import Sender
+    from refit_helpers import random_weights, specs_from_plain
+
+    specs = specs_from_plain(plain_specs)
+    sender = Sender(address, token, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+    sender.client.close()
+    sender.client = FaultyClient(address, token, fault)
+    for seed in seeds:
+        sender.refit(random_weights(specs, seed))
+    os._exit(0)
 
 
 def serve_layout(conn, shape, post: bool, timeout_s: float, experts: str = "per_expert", device: str = "cpu",

@@ -1,0 +1,154 @@
+"""Faults injected into real processes at precise protocol points; after each, the next refit lands bit-exact.
+
+Every case checks the same three things (docs/reliability.md counts them):
+1. the surviving side raises or reports a clear error within its timeout;
+2. the engine reports ``partial`` (some bucket of the failed refit was written) or ``ready``
+   (nothing was), always with the last complete version;
+3. the next refit succeeds and the engine's bytes equal the trainer's (``engine_matches``).
+
+The engine is a tiny Qwen3-MoE held in MXFP8 (5 buckets of 128 KiB) in a spawned process;
+trainers that must die are spawned processes too (``engine_proc.faulty_trainer``).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import time
+
+import pytest
+
+from engine_proc import faulty_trainer
+from faults import KILLED_TRAINER_EXIT
+from mxrefit.sender import RefitError, Sender
+from refit_helpers import (
+    CTX,
+    EngineProcess,
+    engine_matches,
+    random_weights,
+    specs_to_plain,
+    trainer_specs,
+    wait_until,
+)
+
+ENGINE_TIMEOUT_S = 3.0
+TRAINER_TIMEOUT_S = 2.0
+SLACK_S = 1.5  # scheduling on a loaded 2-core CI machine; a doubled timeout would exceed it
+BUCKET = 16 << 10  # raised by the plan to the largest tensor (128 KiB): 5 buckets
+BUCKETS = 5
+KILL_SEED = 20261203
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = EngineProcess(mxfp8=True, timeout_s=ENGINE_TIMEOUT_S)
+    yield eng
+    eng.stop(Sender(eng.address, eng.token, timeout_s=10))
+
+
+def _sender(engine: EngineProcess, **kwargs) -> Sender:
+    return Sender(engine.address, engine.token, bucket_bytes=BUCKET, timeout_s=TRAINER_TIMEOUT_S, **kwargs)
+
+
+def _raw_status(sender: Sender) -> dict:
+    return sender.client.request({"op": "status"}, 10, step="status")
+
+
+def _assert_next_refit_lands(sender: Sender, seed: int) -> None:
+    before = sender.status()["version"]
+    weights = random_weights(trainer_specs(sender), seed)
+    report = sender.refit(weights)
+    assert report.version == before + 1
+    assert sender.status() == {"version": before + 1, "state": "ready", "error": None}
+    assert engine_matches(sender, weights) == []
+
+
+def _kill_points() -> list[dict]:
+    """Before bucket 0 (nothing written), before two random later buckets, after the last bucket, before commit."""
+    rng = random.Random(KILL_SEED)
+    picked = sorted(rng.sample(range(2, BUCKETS), 2))
+    points = [{"op": "ready", "nth": 0, "action": "die_before"}]
+    points += [{"op": "ready", "nth": k, "action": "die_before"} for k in picked]
+    points += [{"op": "ready", "nth": BUCKETS - 1, "action": "die_after", "delay_s": 0.3},
+               {"op": "commit", "nth": 0, "action": "die_before"}]
+    return points
+
+
+def _kill_id(p: dict) -> str:
+    return f"{p['action']}-{p['op']}{p['nth'] if p['op'] == 'ready' else ''}"
+
+
+@pytest.mark.parametrize("fault", _kill_points(), ids=_kill_id)
+def test_trainer_killed_at_a_bucket(engine, fault):
+    sender = _sender(engine)
+    try:
+        first = random_weights(trainer_specs(sender), 1)
+        sender.refit(first)
+        version = sender.engine_status["version"]
+        specs = specs_to_plain(trainer_specs(sender))
+        dying = CTX.Process(target=faulty_trainer, args=(engine.address, engine.token, specs, [2], fault,
+                                                          BUCKET, TRAINER_TIMEOUT_S))
+        dying.start()
+        dying.join(120)
+        assert dying.exitcode == KILLED_TRAINER_EXIT
+        waited = wait_until(lambda: (_raw_status(sender).get("error") or "").find(f"version {version + 1}") >= 0,
+                            ENGINE_TIMEOUT_S + SLACK_S)
+        status = _raw_status(sender)
+        assert status["version"] == version, status
+        if fault["op"] == "commit":
+            expected = f"expected bucket {BUCKETS} or commit|no bucket {BUCKETS} of {BUCKETS}"
+        elif fault["action"] == "die_after":
+            expected = f"no bucket {fault['nth'] + 1} of {BUCKETS}"
+        else:
+            expected = "|".join(f"no bucket {k} of {BUCKETS}" for k in {max(fault["nth"] - 1, 0), fault["nth"]})
+        assert re.search(expected, status["error"]) and f"{ENGINE_TIMEOUT_S:g} s timeout" in status["error"], status
+        written = fault["op"] == "commit" or fault["nth"] >= 2 or fault["action"] == "die_after"
+        assert status["state"] == ("partial" if written else "ready"), status
+        if not written:
+            assert engine_matches(sender, first) == []
+        print(f"killed trainer ({_kill_id(fault)}): engine reported within {waited:.2f} s of its exit")
+        sender.plan(trainer_specs(sender))  # the dead trainer's plan holds the engine's buffers now
+        _assert_next_refit_lands(sender, 3)
+    finally:
+        sender.close()
+
+
+def test_trainer_killed_while_the_engine_applies_its_bucket():
+    """The engine's "applied" then has no one to go to: the engine must report it, not die of it."""
+    engine = EngineProcess(mxfp8=True, timeout_s=ENGINE_TIMEOUT_S,
+                           fault={"refit": 1, "bucket": 1, "action": "hang", "seconds": 1.5})
+    sender = _sender(engine)
+    try:
+        specs = trainer_specs(sender)
+        fault = {"op": "ready", "nth": 1, "action": "die_after", "delay_s": 0.3}
+        dying = CTX.Process(target=faulty_trainer, args=(engine.address, engine.token, specs_to_plain(specs), [21],
+                                                          fault, BUCKET, TRAINER_TIMEOUT_S))
+        dying.start()
+        dying.join(120)
+        assert dying.exitcode == KILLED_TRAINER_EXIT
+        wait_until(lambda: _raw_status(sender)["error"] is not None, ENGINE_TIMEOUT_S + SLACK_S)
+        status = _raw_status(sender)
+        assert engine.proc.is_alive()
+        assert status["version"] == 0 and status["state"] == "partial", status
+        assert re.search(r"refit to version 1: the trainer at .* disconnected after bucket 1 of 5", status["error"]), status
+        _assert_next_refit_lands(sender, 22)
+    finally:
+        engine.stop(sender)
+
+
+def test_stale_or_duplicate_version_is_refused_and_nothing_written(engine):
+    sender = _sender(engine)
+    try:
+        weights = random_weights(trainer_specs(sender), 12)
+        sender.refit(weights)
+        version = sender.engine_status["version"]
+        for stale in (version, version - 1, 0, -5):
+            with pytest.raises(RefitError, match=f"stale or duplicate version {stale}: the engine already holds version {version}"):
+                sender.refit(random_weights(trainer_specs(sender), 13), version=stale)
+            assert sender.status() == {"version": version, "state": "ready", "error": None}
+            assert engine_matches(sender, weights) == []
+        _assert_next_refit_lands(sender, 14)
+    finally:
+        sender.close()
+
+
