@@ -26,11 +26,21 @@ from mxrefit.bytesum import ByteSum
 from mxrefit.engines.base import Engine
 from mxrefit.engines.shards import check_shards, local_nbytes, run_copies, strided
 from mxrefit.plan import PlanMismatch, RefitPlan, align, build_plan, sources_from_msg, tables_to_msg
-from mxrefit.transport.buffers import OpenedBuffers, TransportError, decline_buffers, open_buffers
+from mxrefit.transport.buffers import (
+    MAX_BUFFER_BYTES,
+    MAX_BUFFERS,
+    OpenedBuffers,
+    TransportError,
+    check_int,
+    decline_buffers,
+    open_buffers,
+)
 from mxrefit.transport.control import ControlError, ControlServer, PeerTimeout
 from mxrefit.transport.exports import allocate, export_tensors
 
 log = logging.getLogger("mxrefit.receiver")
+
+_MAX_ERROR_CHARS = 1000
 
 
 @dataclass
@@ -110,7 +120,8 @@ class Receiver:
         return self.server.token
 
     def status(self) -> dict:
-        return {"version": self.version, "state": self.state, "error": self.last_error}
+        """Version and state; ``rejected`` counts frames dropped from strangers or garbage."""
+        return {"version": self.version, "state": self.state, "error": self.last_error, "rejected": self.server.rejected}
 
     # ---- message handling -------------------------------------------------------------
     def serve(self, *, refits: int | None = None, idle_timeout_s: float | None = None) -> None:
@@ -129,47 +140,68 @@ class Receiver:
                 self._answer_setup(msg)
 
     def _answer_setup(self, msg: dict) -> None:
+        """Answer a message between refits; a malformed one gets an error reply, never an exception."""
         op = msg.get("op")
+        try:
+            reply = self._setup_reply(op, msg)
+        except TransportError as err:
+            reply = {"op": "error", "kind": "transport", "problems": [str(err)]}
+        except Exception as err:  # a bad field from the token holder must not stop the engine
+            if isinstance(err, PlanMismatch):
+                problems = err.problems
+            else:
+                problems = [f"{op!r:.40}: {type(err).__name__}: {err}"[:_MAX_ERROR_CHARS]]
+            if op == "plan":
+                decline_buffers(msg.get("buffers"), "; ".join(map(str, problems)))
+            reply = {"op": "error", "kind": "plan_mismatch" if op == "plan" else "bad_request", "problems": problems}
+        self._reply(reply)
+
+    def _setup_reply(self, op: str, msg: dict) -> dict:
         if op == "hello":
             exportable = bool(self.engine.exportable) and not self._shards  # direct writes are whole tensors
-            self._reply({"op": "tables", **tables_to_msg(self._params, self._destinations), **self.status(),
-                         "exportable": exportable, "device": self.engine.device.type})
-        elif op == "plan":
-            try:
-                reply = self._adopt_plan(msg)
-            except TransportError as err:
-                self._reply({"op": "error", "kind": "transport", "problems": [str(err)]})
-            except (PlanMismatch, ValueError, KeyError, TypeError) as err:
-                if isinstance(err, PlanMismatch):
-                    problems = err.problems
-                elif isinstance(err, ValueError):
-                    problems = [str(err)]
-                else:
-                    problems = [f"malformed plan message ({type(err).__name__}: {err})"]
-                decline_buffers(msg.get("buffers"), "; ".join(problems))
-                self._reply({"op": "error", "kind": "plan_mismatch", "problems": problems})
-            else:
-                self._reply(reply)
-        elif op == "status":
-            self._reply({"op": "status", **self.status()})
-        elif op == "abort":  # nothing in flight (a refit already ended); a trainer resyncing gets the status
-            self._reply({"op": "aborted", **self.status()})
-        elif op == "checksum":
-            self._reply({"op": "checksum", "sha256": self._checksums(msg.get("ranges", []))})
-        else:
-            self._reply({"op": "error", "kind": "protocol", "problems": [f"unexpected op {op!r} between refits"]})
+            return {"op": "tables", **tables_to_msg(self._params, self._destinations), **self.status(),
+                    "exportable": exportable, "device": self.engine.device.type}
+        if op == "plan":
+            return self._adopt_plan(msg)
+        if op == "status":
+            return {"op": "status", **self.status()}
+        if op == "abort":  # nothing in flight (a refit already ended); a trainer resyncing gets the status
+            return {"op": "aborted", **self.status()}
+        if op == "checksum":
+            return {"op": "checksum", "sha256": self._checksums(msg.get("ranges", []))}
+        return {"op": "error", "kind": "protocol", "problems": [f"unexpected op {op!r:.40} between refits"]}
 
     def _adopt_plan(self, msg: dict) -> dict:
-        """Check the trainer's plan against our own, then wire the data path; returns the reply."""
+        """Check the trainer's plan against our own, then wire the data path; returns the reply.
+
+        Everything that can refuse a plan (its fields, digest, transport, the trainer's buffers)
+        is checked before the engine is touched, so a refused plan leaves the adopted one in place.
+        """
         sources = sources_from_msg(msg["sources"])
-        plan = build_plan(sources, self._params, self._destinations, bucket_bytes=int(msg["bucket_bytes"]), slots=int(msg["slots"]))
+        bucket_bytes = check_int(msg["bucket_bytes"], "bucket_bytes", 1, MAX_BUFFER_BYTES)
+        slots = check_int(msg["slots"], "slots", 1, MAX_BUFFERS)
+        plan = build_plan(sources, self._params, self._destinations, bucket_bytes=bucket_bytes, slots=slots)
         if plan.digest != msg["digest"]:
-            raise ValueError(f"plan digest {msg['digest'][:12]} from the trainer differs from the engine's {plan.digest[:12]}")
+            raise ValueError(f"plan digest {str(msg['digest'])[:12]} from the trainer differs from the engine's {plan.digest[:12]}")
         transport = msg.get("transport", "buffers")
         if transport not in ("buffers", "direct"):
-            raise ValueError(f"unknown transport {transport!r}; expected 'buffers' or 'direct'")
+            raise ValueError(f"unknown transport {transport!r:.40}; expected 'buffers' or 'direct'")
+        if transport == "direct" and not self.engine.exportable:
+            raise ValueError(f"this engine ({type(self.engine).__name__}) cannot export its storage; use buffers")
+        if transport == "direct" and self._shards:
+            raise ValueError("this engine rank holds slices of some parameters; direct writes place whole "
+                             "tensors, so use buffers or broadcast")
+        opened = None
+        if transport == "buffers":
+            opened = open_buffers(msg["buffers"], self.engine.device)
+            bufs = opened.buffers
+            if len(bufs) != plan.slots or any(b.numel() < plan.bucket_bytes for b in bufs):
+                opened.close()
+                raise ValueError(f"trainer offered {len(bufs)} buffers, the plan needs {plan.slots} of {plan.bucket_bytes} bytes")
+        # from here the engine is re-prepared: a failure leaves no plan rather than a stale one
         self._release_data_path()
         self._plan = None
+        self._buffers = opened
         self.engine.prepare(plan)
         storage = {name: self.engine.storage(name) for name in self._params}
         wrong = [f"{n!r}: {t.numel()} bytes, expected {local_nbytes(self._params[n], self._shards.get(n))}"
@@ -181,18 +213,9 @@ class Receiver:
                                                                self._shards.get(r.param))] for b in plan.buckets]
         reply: dict = {"op": "planned", "digest": plan.digest}
         if transport == "direct":
-            if not self.engine.exportable:
-                raise ValueError(f"this engine ({type(self.engine).__name__}) cannot export its storage; use buffers")
-            if self._shards:
-                raise ValueError("this engine rank holds slices of some parameters; direct writes place whole "
-                                 "tensors, so use buffers or broadcast")
             reply["exports"] = export_tensors(landing)
             self._appliers = [_Applier(nbytes=sum(r.nbytes for r in b.runs)) for b in plan.buckets]
         else:
-            self._buffers = open_buffers(msg["buffers"], self.engine.device)
-            bufs = self._buffers.buffers
-            if len(bufs) != plan.slots or any(b.numel() < plan.bucket_bytes for b in bufs):
-                raise ValueError(f"trainer offered {len(bufs)} buffers, the plan needs {plan.slots} of {plan.bucket_bytes} bytes")
             self._appliers = [_Applier.copies(cs, lambda r, c, b=b: strided(bufs[b.slot], c.src, c.src_pitch, c.rows, c.width), landing)
                               for b, cs in zip(plan.buckets, copies)]
         if self.transactional:
@@ -229,9 +252,11 @@ class Receiver:
             self._buffers = None
 
     def _refit(self, begin: dict) -> None:
-        version = int(begin.get("version", -1))
+        version = _int_field(begin, "version")
         problem = None
-        if self._plan is None:
+        if version is None:
+            problem = f"begin needs an int 'version', got {begin.get('version')!r:.40}"
+        elif self._plan is None:
             problem = "no plan: the trainer must send a plan before the first refit"
         elif begin.get("digest") != self._plan.digest:
             problem = "the refit names a different plan than the engine holds"
@@ -255,7 +280,7 @@ class Receiver:
                     self._reply({"op": "status", **self.status()})
                     continue
                 deadline = time.monotonic() + self.timeout_s
-                if op == "ready" and int(msg.get("bucket", -1)) == expected and int(msg.get("version", -1)) == version:
+                if op == "ready" and _int_field(msg, "bucket") == expected and _int_field(msg, "version") == version:
                     t = time.perf_counter()
                     try:
                         self._fetch(expected)
@@ -289,7 +314,7 @@ class Receiver:
                         self._fail(f"refit to version {version}: the trainer at {self.address} disconnected after bucket "
                                    f"{expected - 1} of {len(self._appliers)}")
                         return
-                elif op == "commit" and int(msg.get("version", -1)) == version and expected == len(self._appliers):
+                elif op == "commit" and _int_field(msg, "version") == version and expected == len(self._appliers):
                     t = time.perf_counter()
                     if self.transactional:
                         self._commit_shadow(stats)
@@ -302,12 +327,12 @@ class Receiver:
                                       "process_s": stats.process_s, "after_refit_s": stats.after_refit_s})
                     return
                 elif op == "abort":
-                    self._fail(f"trainer aborted the refit to version {version}: {msg.get('why', '')}")
+                    self._fail(f"trainer aborted the refit to version {version}: {str(msg.get('why', ''))[:200]}")
                     self._reply({"op": "aborted", **self.status()})
                     return
                 else:
                     got = {k: msg.get(k) for k in ("op", "version", "bucket")}
-                    self._fail(f"refit to version {version}: expected bucket {expected} or commit, got {got}")
+                    self._fail(f"refit to version {version}: expected bucket {expected} or commit, got {got!r:.300}")
                     self._reply({"op": "error", "kind": "protocol", "problems": [self.last_error], **self.status()})
                     return
         except PeerTimeout:
@@ -340,7 +365,7 @@ class Receiver:
         if not self._sums:
             return None
         got = list(self._sums[bucket]())
-        if not isinstance(claimed, list) or [int(x) for x in claimed] != got:
+        if not isinstance(claimed, list) or not all(_is_int(x) for x in claimed) or claimed != got:
             return f"bucket {bucket} failed its integrity check (trainer sums {claimed}, engine sums {got})"
         return None
 
@@ -358,24 +383,40 @@ class Receiver:
             stats.process_s += time.perf_counter() - t
 
     def _checksums(self, ranges: list) -> list[str | None]:
-        """sha256 of the engine's served bytes [offset, offset+n) of each named parameter (None if out of
-        range, or if the engine serves the param in a processed layout with no such bytes)."""
-        out: list[str | None] = []
-        for param, offset, n in ranges:
-            try:
-                data = self.engine.read(param) if param in self._params else None
-            except ValueError:
-                data = None
-            if data is None or offset < 0 or offset + n > data.numel():
-                out.append(None)
-                continue
-            out.append(hashlib.sha256(data[offset : offset + n].cpu().numpy().tobytes()).hexdigest())
-        return out
+        """sha256 of the engine's served bytes [offset, offset+n) of each named parameter (None if malformed,
+        out of range, or if the engine serves the param in a processed layout with no such bytes)."""
+        if not isinstance(ranges, list):
+            raise ValueError(f"checksum ranges must be a list of [param, offset, nbytes], got {type(ranges).__name__}")
+        return [self._checksum(entry) for entry in ranges]
+
+    def _checksum(self, entry: object) -> str | None:
+        if not (isinstance(entry, list) and len(entry) == 3):
+            return None
+        param, offset, n = entry
+        if not (isinstance(param, str) and param in self._params and _is_int(offset) and _is_int(n)) or offset < 0 or n < 0:
+            return None
+        try:
+            data = self.engine.read(param)
+        except ValueError:
+            return None
+        if data is None or offset + n > data.numel():
+            return None
+        return hashlib.sha256(data[offset : offset + n].cpu().numpy().tobytes()).hexdigest()
 
     def _fail(self, why: str) -> None:
-        self.last_error = why
-        log.error("%s; engine holds version %d, state %s", why, self.version, self.state)
+        self.last_error = why[:_MAX_ERROR_CHARS]
+        log.error("%s; engine holds version %d, state %s", self.last_error, self.version, self.state)
 
     def close(self) -> None:
         self._release_data_path()
         self.server.close()
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int_field(msg: dict, key: str) -> int | None:
+    """``msg[key]`` if it is an int (not a bool), else None: malformed fields fail comparisons instead of raising."""
+    value = msg.get(key)
+    return value if _is_int(value) else None

@@ -5,6 +5,7 @@
 - ``FaultyClient``: the trainer's real ControlClient, which at one chosen message (refit r, op,
   n-th of that op in the refit) dies, stalls, drops, truncates, duplicates, reorders or alters it
   on the real socket.
+- ``record``: keeps a copy of every frame a real client sends, to replay or mutate real traffic.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ class _TruncatingSocket:
 
     def send(self, frame: bytes, *args, **kwargs):
         return self._sock.send(frame[: int(len(frame) * self._keep)], *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
 
 
 class FaultyClient(ControlClient):
@@ -108,3 +112,25 @@ class FaultyClient(ControlClient):
             time.sleep(self.fault.get("delay_s", 0.0))
             os._exit(KILLED_TRAINER_EXIT)
         return sent
+
+
+class RecordingSocket:
+    """Wraps a client's zmq socket and keeps a copy of every frame it sends (to replay or mutate real traffic)."""
+
+    def __init__(self, sock):
+        self._sock = sock
+        self.frames: list[bytes] = []
+
+    def send(self, frame: bytes, *args, **kwargs):
+        self.frames.append(bytes(frame))
+        return self._sock.send(frame, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+
+def record(client: ControlClient) -> RecordingSocket:
+    """Start recording what ``client`` sends; returns the recorder (its ``frames``)."""
+    recorder = RecordingSocket(client._sock)
+    client._sock = recorder
+    return recorder
