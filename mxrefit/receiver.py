@@ -154,6 +154,8 @@ class Receiver:
             if op == "plan":
                 decline_buffers(msg.get("buffers"), "; ".join(map(str, problems)))
             reply = {"op": "error", "kind": "plan_mismatch" if op == "plan" else "bad_request", "problems": problems}
+        if reply["op"] == "error":
+            reply.update(self.status())
         self._reply(reply)
 
     def _setup_reply(self, op: str, msg: dict) -> dict:

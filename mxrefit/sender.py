@@ -37,7 +37,7 @@ from mxrefit.finite_check import FiniteCheck
 from mxrefit.formats import get_format, mxfp8
 from mxrefit.plan import DEFAULT_BUCKET_BYTES, PlanMismatch, RefitPlan, SourceSpec, build_plan, sources_to_msg, tables_from_msg
 from mxrefit.transport.buffers import KINDS, TransferBuffers, create_buffers, default_kind
-from mxrefit.transport.control import ControlClient, ControlError
+from mxrefit.transport.control import ControlClient, ControlError, PeerTimeout
 from mxrefit.transport.exports import OpenedExports, open_exports
 
 _NO_BAD = 2**31 - 1
@@ -121,6 +121,7 @@ class Sender:
         self._engine_info: dict = {}
         self._tables = None
         self._last_sources: list[torch.Tensor] | None = None
+        self._unfinished: int | None = None
 
     # ---- set-up, once ----------------------------------------------------------------------
     def _make_client(self, address: str, token: bytes) -> ControlClient:
@@ -138,7 +139,18 @@ class Sender:
             raise RefitError(f"engine at {self.address} refused {op!r}: {'; '.join(map(str, problems))}", reply)
         return reply
 
+    def _preempt(self, why: str) -> None:
+        """End whatever refit the engine may still be waiting on (ours that failed, or a dead trainer's).
+
+        Fire and forget: the engine answers 'aborted' with its status, an answer given up at once
+        (``abandon``), so this costs no round trip and no timeout.
+        """
+        self.client.send({"op": "abort", "why": why})
+        self.client.abandon()
+        self._unfinished = None
+
     def connect(self) -> None:
+        self._preempt("a trainer connected")
         reply = self._request({"op": "hello"}, "connecting")
         self._tables = tables_from_msg(reply)
         self._engine_info = {"exportable": bool(reply.get("exportable")), "device": reply.get("device")}
@@ -310,10 +322,13 @@ class Sender:
         stream = iter(tensors) if streaming else None
         version = int(self.engine_status.get("version", 0)) + 1 if version is None else version
         report = RefitReport(version, transport=self.transport, check_s=time.perf_counter() - t0)
-        self._request({"op": "begin", "version": version, "digest": plan.digest}, f"starting refit {version}")
-        self._bad.fill_(_NO_BAD)  # an aborted refit leaves its flag behind
+        if self._unfinished is not None:
+            self._preempt(f"refit {self._unfinished} failed; refit {version} replaces it")
+        self._unfinished = version
         acked = 0
         try:
+            self._request({"op": "begin", "version": version, "digest": plan.digest}, f"starting refit {version}")
+            self._bad.fill_(_NO_BAD)  # an aborted refit leaves its flag behind
             for b, encoders in zip(plan.buckets, self._bucket_encoders):
                 while acked < b.index - plan.slots + 1:
                     acked = self._await_applied(acked, version, report)
@@ -342,8 +357,11 @@ class Sender:
             while acked < len(plan.buckets):
                 acked = self._await_applied(acked, version, report)
             reply = self._request({"op": "commit", "version": version}, f"committing refit {version}")
+        except PeerTimeout as err:  # the engine is gone or stalled: a status probe would wait as long again
+            raise RefitError(f"refit {version} failed: {err}") from err
         except ControlError as err:
             raise RefitError(f"refit {version} failed: {err}", self._status_or_none()) from err
+        self._unfinished = None
         self.engine_status = {"version": reply["version"], "state": reply["state"]}
         report.engine_fetch_s = float(reply.get("fetch_s", 0.0))
         report.engine_apply_s = float(reply.get("apply_s", 0.0))
@@ -392,7 +410,8 @@ class Sender:
         reply = self.client.recv(self.timeout_s, step=f"refit {version}, waiting for the engine to apply bucket {acked}")
         report.wait_s += time.perf_counter() - t
         if reply.get("op") != "applied" or int(reply.get("bucket", -1)) != acked:
-            raise RefitError(f"refit {version}: engine answered {reply.get('op')!r} {reply.get('problems', '')} while bucket {acked} was in flight", reply)
+            why = reply.get("problems") or reply.get("why", "")
+            raise RefitError(f"refit {version}: engine answered {reply.get('op')!r} {why} while bucket {acked} was in flight", reply)
         return acked + 1
 
     def _abort(self, version: int, why: str) -> None:
@@ -405,6 +424,7 @@ class Sender:
                 if reply.get("op") != "applied":
                     break
             self.engine_status = {"version": reply.get("version"), "state": reply.get("state")}
+            self._unfinished = None
         except ControlError:
             pass
 

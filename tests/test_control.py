@@ -279,6 +279,19 @@ def test_a_late_reply_is_not_taken_for_the_answer_to_a_later_request():
             thread.join(10)
 
 
+def test_abandoned_answers_are_dropped():
+    """A fire-and-forget message's answer must not be read as the answer to the next one."""
+    with ControlServer() as server, ControlClient(server.address, server.token) as client:
+        client.send({"op": "fire-and-forget"})
+        client.abandon()
+        assert server.recv(10, step="fire-and-forget") == {"op": "fire-and-forget"}
+        server.send({"op": "answer nobody waits for"})
+        client.send({"op": "next"})
+        assert server.recv(10, step="next") == {"op": "next"}
+        server.send({"op": "answer to next"})
+        assert client.recv(10, step="next") == {"op": "answer to next"}
+
+
 def test_reserved_and_malformed_message_numbers_are_refused():
     with ControlServer() as server, ControlClient(server.address, server.token) as client:
         for key in ("seq", "re"):

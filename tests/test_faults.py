@@ -19,8 +19,9 @@ import time
 import pytest
 
 from engine_proc import faulty_trainer
-from faults import KILLED_TRAINER_EXIT
+from faults import KILLED_ENGINE_EXIT, KILLED_TRAINER_EXIT, FaultyClient
 from mxrefit.sender import RefitError, Sender
+from mxrefit.transport.control import PeerTimeout
 from refit_helpers import (
     CTX,
     EngineProcess,
@@ -52,6 +53,14 @@ def _sender(engine: EngineProcess, **kwargs) -> Sender:
 
 def _raw_status(sender: Sender) -> dict:
     return sender.client.request({"op": "status"}, 10, step="status")
+
+
+def _answers_status(sender: Sender) -> bool:
+    try:
+        sender.client.request({"op": "status"}, 0.2, step="probing a hung engine")
+        return True
+    except PeerTimeout:
+        return False
 
 
 def _assert_next_refit_lands(sender: Sender, seed: int) -> None:
@@ -136,6 +145,83 @@ def test_trainer_killed_while_the_engine_applies_its_bucket():
         engine.stop(sender)
 
 
+def test_a_restarted_trainer_refits_at_once_after_its_predecessor_died_mid_refit(engine):
+    """The new trainer need not wait out the engine's timeout: it preempts the dead refit."""
+    probe = _sender(engine)
+    version = probe.status()["version"]
+    specs = specs_to_plain(trainer_specs(probe))
+    fault = {"op": "ready", "nth": 3, "action": "die_before"}
+    dying = CTX.Process(target=faulty_trainer, args=(engine.address, engine.token, specs, [4], fault,
+                                                      BUCKET, TRAINER_TIMEOUT_S))
+    dying.start()
+    dying.join(120)
+    assert dying.exitcode == KILLED_TRAINER_EXIT
+    assert _raw_status(probe)["state"] == "partial"
+    probe.close()
+    restarted = _sender(engine)
+    try:
+        start = time.monotonic()
+        weights = random_weights(trainer_specs(restarted), 5)
+        assert restarted.refit(weights).version == version + 1
+        assert time.monotonic() - start < ENGINE_TIMEOUT_S
+        assert engine_matches(restarted, weights) == []
+    finally:
+        restarted.close()
+
+
+def test_trainer_hung_past_the_engine_timeout_then_resumes(engine):
+    hang = ENGINE_TIMEOUT_S + 1.5
+    sender = _sender(engine)
+    try:
+        first = random_weights(trainer_specs(sender), 6)
+        sender.refit(first)
+        version = sender.engine_status["version"]
+        sender.client.close()
+        sender.client = FaultyClient(engine.address, engine.token,
+                                     {"op": "ready", "nth": 2, "action": "hang", "seconds": hang})
+        start = time.monotonic()
+        with pytest.raises(RefitError, match="between refits") as err:
+            sender.refit(random_weights(trainer_specs(sender), 7))
+        assert time.monotonic() - start >= hang
+        status = _raw_status(sender)
+        assert status["version"] == version and status["state"] == "partial", status
+        assert f"no bucket 2 of {BUCKETS} from the trainer" in status["error"]
+        assert f"engine holds version {version}, state partial" in str(err.value)
+        _assert_next_refit_lands(sender, 8)
+    finally:
+        sender.close()
+
+
+@pytest.mark.parametrize("action,nth,written,engine_says", [
+    ("swap_next", 0, False, "expected bucket 0 or commit, got .*'bucket': 1"),
+    ("swap_next", 2, True, "expected bucket 2 or commit, got .*'bucket': 3"),
+    ("duplicate", 1, True, "expected bucket 2 or commit, got .*'bucket': 1"),
+    ("stale_version", 2, True, "expected bucket 2 or commit, got .*'version': "),
+    ("commit_instead", 3, True, "expected bucket 3 or commit, got .*'op': 'commit'"),
+    ("truncate", 2, True, "rejected.*undecodable frame"),
+    ("drop", BUCKETS - 1, True, f"within {TRAINER_TIMEOUT_S:g} s while refit .*waiting for the engine to apply bucket {BUCKETS - 1}"),
+], ids=["reorder-first", "reorder", "duplicate", "stale-version", "early-commit", "truncated", "dropped"])
+def test_protocol_violation_mid_refit(engine, action, nth, written, engine_says):
+    sender = _sender(engine)
+    try:
+        first = random_weights(trainer_specs(sender), 9)
+        sender.refit(first)
+        version = sender.engine_status["version"]
+        sender.client.close()
+        sender.client = FaultyClient(engine.address, engine.token, {"op": "ready", "nth": nth, "action": action})
+        start = time.monotonic()
+        with pytest.raises(RefitError, match=engine_says):
+            sender.refit(random_weights(trainer_specs(sender), 10))
+        assert time.monotonic() - start < TRAINER_TIMEOUT_S + SLACK_S
+        status = _raw_status(sender)
+        assert status["version"] == version and status["state"] == ("partial" if written else "ready"), status
+        if not written:
+            assert engine_matches(sender, first) == []
+        _assert_next_refit_lands(sender, 11)
+    finally:
+        sender.close()
+
+
 def test_stale_or_duplicate_version_is_refused_and_nothing_written(engine):
     sender = _sender(engine)
     try:
@@ -152,3 +238,48 @@ def test_stale_or_duplicate_version_is_refused_and_nothing_written(engine):
         sender.close()
 
 
+def test_engine_killed_mid_receive_trainer_raises_within_its_timeout():
+    engine = EngineProcess(mxfp8=True, timeout_s=ENGINE_TIMEOUT_S, fault={"refit": 2, "bucket": 1, "action": "die"})
+    sender = _sender(engine)
+    try:
+        specs = trainer_specs(sender)
+        sender.refit(random_weights(specs, 15))
+        start = time.monotonic()
+        with pytest.raises(RefitError, match=f"refit 2 failed: no message from the engine at {engine.address} "
+                                             f"within {TRAINER_TIMEOUT_S:g} s while refit 2, waiting for the "
+                                             "engine to apply bucket 1"):
+            sender.refit(random_weights(specs, 16))
+        assert time.monotonic() - start < TRAINER_TIMEOUT_S + SLACK_S
+        engine.proc.join(30)
+        assert engine.proc.exitcode == KILLED_ENGINE_EXIT
+        start = time.monotonic()
+        with pytest.raises(RefitError, match="starting refit 2"):
+            sender.refit(random_weights(specs, 16))
+        assert time.monotonic() - start < TRAINER_TIMEOUT_S + SLACK_S
+    finally:
+        sender.close()
+    restarted = EngineProcess(mxfp8=True, timeout_s=ENGINE_TIMEOUT_S)
+    sender = _sender(restarted)
+    try:
+        _assert_next_refit_lands(sender, 17)
+    finally:
+        restarted.stop(sender)
+
+
+def test_engine_hung_past_the_trainer_timeout_then_next_refit_lands():
+    hang = TRAINER_TIMEOUT_S + 2.0
+    engine = EngineProcess(mxfp8=True, timeout_s=ENGINE_TIMEOUT_S,
+                           fault={"refit": 2, "bucket": 1, "action": "hang", "seconds": hang})
+    sender = _sender(engine)
+    try:
+        specs = trainer_specs(sender)
+        sender.refit(random_weights(specs, 18))
+        start = time.monotonic()
+        with pytest.raises(RefitError, match=f"within {TRAINER_TIMEOUT_S:g} s while refit 2, waiting for the engine to apply bucket 1"):
+            sender.refit(random_weights(specs, 19))
+        assert time.monotonic() - start < TRAINER_TIMEOUT_S + SLACK_S
+        wait_until(lambda: _answers_status(sender), hang + SLACK_S)
+        _assert_next_refit_lands(sender, 20)
+        assert engine.proc.is_alive()
+    finally:
+        engine.stop(sender)

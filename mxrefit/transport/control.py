@@ -408,6 +408,10 @@ class ControlClient:
         self._stale_below = self.send(msg)
         return self.recv(timeout_s, step=step)
 
+    def abandon(self) -> None:
+        """Give up the answers to every message sent so far: they are dropped when they arrive."""
+        self._stale_below = self._last_seq + 1
+
     def _require_open(self) -> None:
         if self._sock.closed:
             raise ControlError(f"control client for {self.address} is closed")
