@@ -105,6 +105,7 @@ class Receiver:
         self._shards = engine.shards()
         check_shards(self._params, self._destinations, self._shards)
         self._plan: RefitPlan | None = None
+        self._plan_id: str | None = None
         self._buffers: OpenedBuffers | None = None
         self._appliers: list[_Applier] = []
         self._commits: list[_Applier] = []
@@ -190,6 +191,9 @@ class Receiver:
             raise ValueError(f"unknown transport {transport!r:.40}; expected 'buffers' or 'direct'")
         if transport == "direct" and not self.engine.exportable:
             raise ValueError(f"this engine ({type(self.engine).__name__}) cannot export its storage; use buffers")
+        plan_id = msg.get("plan_id")
+        if plan_id is not None and not (isinstance(plan_id, str) and 0 < len(plan_id) <= 64):
+            raise ValueError(f"plan_id must be a short string, got {plan_id!r:.40}")
         if transport == "direct" and self._shards:
             raise ValueError("this engine rank holds slices of some parameters; direct writes place whole "
                              "tensors, so use buffers or broadcast")
@@ -202,7 +206,7 @@ class Receiver:
                 raise ValueError(f"trainer offered {len(bufs)} buffers, the plan needs {plan.slots} of {plan.bucket_bytes} bytes")
         # from here the engine is re-prepared: a failure leaves no plan rather than a stale one
         self._release_data_path()
-        self._plan = None
+        self._plan, self._plan_id = None, None
         self._buffers = opened
         self.engine.prepare(plan)
         storage = {name: self.engine.storage(name) for name in self._params}
@@ -225,7 +229,7 @@ class Receiver:
                              for cs in copies]
         if msg.get("verify"):
             self._sums = [ByteSum(self._verified_views(b, landing)) for b in plan.buckets]
-        self._plan = plan
+        self._plan, self._plan_id = plan, plan_id
         return reply
 
     def _verified_views(self, bucket, landing: dict[str, torch.Tensor]) -> list[torch.Tensor]:
@@ -262,6 +266,9 @@ class Receiver:
             problem = "no plan: the trainer must send a plan before the first refit"
         elif begin.get("digest") != self._plan.digest:
             problem = "the refit names a different plan than the engine holds"
+        elif begin.get("plan_id") != self._plan_id:  # the trainer's id for its plan, new at every plan()
+            problem = ("the engine adopted another plan (and its buffers) since this trainer planned, e.g. from "
+                       "another trainer holding the token: plan again")
         elif version <= self.version:
             problem = f"stale or duplicate version {version}: the engine already holds version {self.version}"
         if problem:

@@ -24,6 +24,7 @@ previous version named) until the next complete refit.
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -120,6 +121,7 @@ class Sender:
         self.engine_status: dict = {}
         self._engine_info: dict = {}
         self._tables = None
+        self._plan_id: str | None = None
         self._last_sources: list[torch.Tensor] | None = None
         self._unfinished: int | None = None
 
@@ -179,7 +181,8 @@ class Sender:
             check_rules(self.rules, destinations)
         plan = build_plan(list(specs), params, destinations, bucket_bytes=self.bucket_bytes, slots=self.slots)
         transport = self._choose_transport()
-        msg = {"op": "plan", "sources": sources_to_msg(plan.sources), "bucket_bytes": plan.bucket_bytes,
+        plan_id = secrets.token_hex(8)  # names this adoption: the engine refuses a begin from a trainer planned earlier
+        msg = {"op": "plan", "plan_id": plan_id, "sources": sources_to_msg(plan.sources), "bucket_bytes": plan.bucket_bytes,
                "slots": plan.slots, "digest": plan.digest, "verify": self.verify}
         self._close_data_path(keep_buffers=transport != "direct")
         if transport == "direct":
@@ -191,7 +194,7 @@ class Sender:
         if transport == "direct":
             self.exports = open_exports(reply["exports"], self.device if self.device.type == "cuda" else None)
         self.transport = transport
-        self.plan_ = plan
+        self.plan_, self._plan_id = plan, plan_id
         self._last_sources = None
         self._build_encoders(plan)
         return plan
@@ -327,7 +330,8 @@ class Sender:
         self._unfinished = version
         acked = 0
         try:
-            self._request({"op": "begin", "version": version, "digest": plan.digest}, f"starting refit {version}")
+            self._request({"op": "begin", "version": version, "digest": plan.digest, "plan_id": self._plan_id},
+                          f"starting refit {version}")
             self._bad.fill_(_NO_BAD)  # an aborted refit leaves its flag behind
             for b, encoders in zip(plan.buckets, self._bucket_encoders):
                 while acked < b.index - plan.slots + 1:

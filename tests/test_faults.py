@@ -238,6 +238,32 @@ def test_stale_or_duplicate_version_is_refused_and_nothing_written(engine):
         sender.close()
 
 
+def test_a_trainer_whose_plan_was_replaced_is_refused_and_nothing_written(engine):
+    """Two trainers with one layout plan the same digest; only the last one's buffers are the engine's.
+
+    Before plans were identified per adoption, the first trainer's begin was accepted and the
+    engine copied the second trainer's buffers: 'ready', with the wrong weights.
+    """
+    first, second = _sender(engine), _sender(engine)
+    try:
+        specs = trainer_specs(first)
+        first.refit(random_weights(specs, 23))
+        theirs = random_weights(specs, 24)
+        second.refit(theirs)
+        assert first.plan_.digest == second.plan_.digest
+        version = second.engine_status["version"]
+        with pytest.raises(RefitError, match="adopted another plan .* plan again"):
+            first.refit(random_weights(specs, 25), version=version + 1)
+        assert first.status() == {"version": version, "state": "ready", "error": None}
+        assert engine_matches(first, theirs) == []
+        first.plan(specs)
+        first.engine_status = first.status()
+        _assert_next_refit_lands(first, 26)
+    finally:
+        first.close()
+        second.close()
+
+
 def test_engine_killed_mid_receive_trainer_raises_within_its_timeout():
     engine = EngineProcess(mxfp8=True, timeout_s=ENGINE_TIMEOUT_S, fault={"refit": 2, "bucket": 1, "action": "die"})
     sender = _sender(engine)

@@ -166,7 +166,8 @@ def test_a_malformed_message_between_refits_is_answered(session, msg):
 ], ids=["bucket-a-string", "version-a-string", "version-none", "commit-version-a-list", "abort-why-1MB"])
 def test_a_malformed_message_mid_refit_ends_the_refit_with_a_clear_report(session, after_bucket0, bad):
     version = session.status()["version"] + 1
-    assert session.ask({"op": "begin", "version": version, "digest": session.sender.plan_.digest})["op"] == "begun"
+    begin = {"op": "begin", "version": version, "digest": session.sender.plan_.digest, "plan_id": session.sender._plan_id}
+    assert session.ask(begin)["op"] == "begun"
     if after_bucket0:
         assert session.ask({"op": "ready", "version": version, "bucket": 0}) == {"op": "applied", "bucket": 0}
     msg = {"version": version, **bad}
