@@ -48,6 +48,17 @@ class EngineProcess:
             self.proc.join(10)
 
 
+def engine_digests(sender: Sender) -> dict[tuple[str, int], str]:
+    """sha256 of the engine's bytes for every (trainer tensor, part) as the engine holds them now."""
+    if sender._tables is None:
+        sender.connect()
+    _, dests = sender._tables
+    keys = [(name, i) for name, dest in dests.items() for i in range(len(dest.targets))]
+    ranges = [[t.param, t.offset, t.nbytes] for dest in dests.values() for t in dest.targets]
+    got = sender.client.request({"op": "checksum", "ranges": ranges}, 30, step="checksums")["sha256"]
+    return dict(zip(keys, got))
+
+
 def tiny_weights(seed: int, model: str = "moe") -> dict[str, torch.Tensor]:
     """A freshly initialised transformers model's parameters (the engine's model, other values)."""
     m = models.tiny_llama(seed) if model == "llama" else models.tiny_qwen3_moe(seed)

@@ -5,21 +5,24 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 from checks import engine_matches
 from mxrefit.formats import mxfp8
-from mxrefit.plan import PlanMismatch, SourceSpec
+from mxrefit.plan import PlanMismatch, SourceSpec, align
 from mxrefit.sender import RefitError, Sender
-from refit_helpers import EngineProcess, tiny_weights
+from refit_helpers import EngineProcess, engine_digests, tiny_weights
 
 
 @pytest.mark.parametrize("quant", [None, "mxfp8", "fp8-block", "fp8-block-ue8m0"], ids=["bf16", "mxfp8", "fp8-block", "fp8-block-ue8m0"])
 def test_repeated_refits_land_exactly(quant):
+    """Every refit, not just the first, replaces every byte range: values and scales (2x per step, so scales move)."""
     engine = EngineProcess(quant=quant)
     sender = Sender(engine.address, engine.token, bucket_bytes=32 << 10)
     try:
-        for step, seed in enumerate((11, 12, 13)):
-            weights = tiny_weights(seed)
+        before = None
+        for step, seed in enumerate((11, 12, 13, 14)):
+            weights = {n: t * 2.0**step for n, t in tiny_weights(seed).items()}
             report = sender.refit(weights)
             assert report.version == step + 1 and report.buckets > 3
             assert sender.status() == {"version": step + 1, "state": "ready", "error": None}
@@ -27,6 +30,10 @@ def test_repeated_refits_land_exactly(quant):
             if quant is not None:
                 formats = {d.format for d in sender._tables[1].values()}
                 assert formats == {"bf16", quant}, formats
+            after = engine_digests(sender)
+            if before is not None:
+                assert [k for k in after if after[k] == before[k]] == []
+            before = after
     finally:
         engine.stop(sender)
 
@@ -66,39 +73,66 @@ def test_refit_after_a_non_finite_abort_repairs():
         engine.stop(sender)
 
 
-def test_a_tensor_larger_than_the_bucket_is_sent():
+def test_tensors_at_and_past_the_bucket_size_are_sent():
+    """The bucket grows to the largest tensor: below it, one byte below, exactly at it, one byte above."""
     engine = EngineProcess(model="llama")
-    sender = Sender(engine.address, engine.token, bucket_bytes=4096)
+    weights = tiny_weights(3, "llama")
+    largest = align(max(t.numel() * t.element_size() for t in weights.values()))
     try:
-        weights = tiny_weights(3, "llama")
-        report = sender.refit(weights)
-        assert sender.plan_.bucket_bytes >= max(t.numel() * t.element_size() for t in weights.values())
-        assert report.buckets > 1 and engine_matches(sender, weights) == []
+        for asked in (4096, largest - 1, largest, largest + 1):
+            sender = Sender(engine.address, engine.token, bucket_bytes=asked)
+            weights = {n: t * 2.0 for n, t in weights.items()}
+            report = sender.refit(weights)
+            plan = sender.plan_
+            assert plan.bucket_bytes == max(align(asked), largest)
+            assert all(b.nbytes <= plan.bucket_bytes for b in plan.buckets)
+            if asked <= largest:  # the largest tensor fills its bucket to the last byte
+                assert max(b.nbytes for b in plan.buckets) == plan.bucket_bytes
+            assert report.buckets > 1 and engine_matches(sender, weights) == []
+            sender.close()
     finally:
-        engine.stop(sender)
+        engine.stop(Sender(engine.address, engine.token))
 
 
-def test_mismatched_input_is_refused_before_anything_is_written():
+def _bad_inputs(good: dict[str, torch.Tensor]) -> dict[str, tuple[dict, type, str]]:
+    """Trainer tensors that must be refused before anything is written: name -> (tensors, error, message)."""
+    o_proj, norm = "model.layers.0.self_attn.o_proj.weight", "model.norm.weight"
+
+    def changed(name: str, t: torch.Tensor) -> dict:
+        return {**good, name: t}
+
+    def poked(name: str, value: float) -> dict:
+        t = good[name].clone()
+        t.view(-1)[t.numel() // 2] = value
+        return changed(name, t)
+
+    return {
+        "shape": (changed(o_proj, good[o_proj][:, :96].contiguous()), PlanMismatch, "o_proj"),
+        "dtype": (changed(o_proj, good[o_proj].float()), PlanMismatch, f"{o_proj}.*float32"),
+        "NaN in an MXFP8 tensor": (poked(o_proj, float("nan")), mxfp8.NonFiniteError, f"{o_proj}.*nothing was sent"),
+        "+Inf in an MXFP8 tensor": (poked(o_proj, float("inf")), mxfp8.NonFiniteError, o_proj),
+        "-Inf in a BF16 tensor": (poked(norm, float("-inf")), mxfp8.NonFiniteError, norm),
+        "NaN in a BF16 tensor": (poked(norm, float("nan")), mxfp8.NonFiniteError, norm),
+        "missing": ({n: t for n, t in good.items() if n != norm}, PlanMismatch, f"missing tensor '{norm}'"),
+        "unexpected": ({**good, "model.extra.weight": good[norm]}, PlanMismatch, "unexpected tensor 'model.extra.weight'"),
+        "not contiguous": (changed(o_proj, good[o_proj].t().contiguous().t()), PlanMismatch, f"{o_proj}.*not contiguous"),
+        "wrong device": (changed(norm, torch.empty_like(good[norm], device="meta")), PlanMismatch, f"{norm}.*is on meta"),
+    }
+
+
+def test_bad_input_is_refused_before_anything_is_written():
     engine = EngineProcess(mxfp8=True)
     sender = Sender(engine.address, engine.token)
     try:
+        with pytest.raises(PlanMismatch, match="o_proj"):  # before any plan: nothing reaches the engine
+            sender.refit(_bad_inputs(tiny_weights(20))["shape"][0])
         good = tiny_weights(21)
         sender.refit(good)
-        bad = dict(tiny_weights(22))
-        name = "model.layers.0.self_attn.o_proj.weight"
-        bad[name] = bad[name][:, :96].contiguous()
-        with pytest.raises(PlanMismatch, match="o_proj"):
-            sender.refit(bad)
-        nan = dict(tiny_weights(23))
-        nan[name][0, 0] = float("nan")
-        with pytest.raises(mxfp8.NonFiniteError, match="nothing was sent"):
-            sender.refit(nan)
-        missing = dict(tiny_weights(24))
-        missing.pop("model.norm.weight")
-        with pytest.raises(PlanMismatch, match="model.norm.weight"):
-            sender.refit(missing)
-        assert sender.status()["version"] == 1 and sender.status()["state"] == "ready"
-        assert engine_matches(sender, good) == []
+        for case, (tensors, error, message) in _bad_inputs({n: t * 2.0 for n, t in good.items()}).items():
+            with pytest.raises(error, match=message):
+                sender.refit(tensors)
+            assert sender.status() == {"version": 1, "state": "ready", "error": None}, case
+            assert engine_matches(sender, good) == [], case
     finally:
         engine.stop(sender)
 
