@@ -7,10 +7,54 @@ import os
 
 import torch
 
+SWIZZLED = "_swizzled"
+
+
+def swizzle_scales(scales: torch.Tensor) -> torch.Tensor:
+    """The 128x4-tile layout vLLM gives MXFP8 scales after loading (docs/DESIGN), per leading index, flat."""
+    rows, cols = scales.shape[-2:]
+    rp, cp = -(-rows // 128) * 128, -(-cols // 4) * 4
+    out = []
+    for s in scales.reshape(-1, rows, cols):
+        padded = torch.zeros(rp, cp, dtype=torch.uint8)
+        padded[:rows, :cols] = s
+        out.append(padded.view(rp // 128, 4, 32, cp // 4, 4).permute(0, 3, 2, 1, 4).reshape(-1))
+    return torch.cat(out)
+
+
+def _post_processing_engine(module, mxfp8: bool):
+    """A TorchEngine that, like vLLM after loading, derives a swizzled copy of every MXFP8 scale in ``after_refit``.
+
+    The copies are extra parameters (``<scale>_swizzled``) no trainer tensor targets, so the
+    checksum op can read them: a refit that left them stale would show.
+    """
+    from mxrefit.engines.base import ParamSpec
+    from mxrefit.engines.torch import TorchEngine
+
+    class PostProcessingEngine(TorchEngine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.derived = {f"{n}{SWIZZLED}": swizzle_scales(t) for n, t in self._tensors.items() if n.endswith("_scale")}
+
+        def params(self):
+            derived = {n: ParamSpec(n, tuple(t.shape), t.dtype) for n, t in self.derived.items()}
+            return {**super().params(), **derived}
+
+        def storage(self, param):
+            if param in self.derived:
+                return self.derived[param].view(torch.uint8)
+            return super().storage(param)
+
+        def after_refit(self, version):
+            for name, out in self.derived.items():
+                out.copy_(swizzle_scales(self._tensors[name.removesuffix(SWIZZLED)]))
+
+    return PostProcessingEngine(module, mxfp8=mxfp8)
+
 
 def serve_tiny(conn, model: str, mxfp8: bool, timeout_s: float, tcp: bool = False, quant: str | None = None,
                transactional: bool = False, tp: tuple[int, int] = (0, 1), die_in_refit: tuple[int, int] | None = None,
-               fault: dict | None = None) -> None:
+               fault: dict | None = None, post_process: bool = False) -> None:
     """A tiny transformers model behind a Receiver; ``tp`` = (rank, size) keeps that TP rank's slices.
 
     ``die_in_refit`` = (n, bucket): exit abruptly once bucket ``bucket`` of the n-th refit landed,
@@ -33,8 +77,12 @@ def serve_tiny(conn, model: str, mxfp8: bool, timeout_s: float, tcp: bool = Fals
 
     logging.basicConfig(level=logging.INFO)
     module = models.tiny_llama(seed=1) if model == "llama" else models.tiny_qwen3_moe(seed=1)
-    engine = (MortalEngine(module, mxfp8=mxfp8, quant=quant, tp_rank=tp[0], tp_size=tp[1]) if fault is None
-              else faulty_engine(module, mxfp8, fault))
+    if fault is not None:
+        engine = faulty_engine(module, mxfp8, fault)
+    elif post_process:
+        engine = _post_processing_engine(module, mxfp8)
+    else:
+        engine = MortalEngine(module, mxfp8=mxfp8, quant=quant, tp_rank=tp[0], tp_size=tp[1])
     receiver = Receiver(engine, timeout_s=timeout_s, tcp=tcp, transactional=transactional)
     conn.send({"address": receiver.address, "token": receiver.token})
     try:

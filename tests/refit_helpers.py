@@ -26,9 +26,9 @@ class EngineProcess:
     """A tiny transformers model behind a real Receiver in a spawned process (``engine_proc.serve_tiny``)."""
 
     def __init__(self, model: str = "moe", mxfp8: bool = False, timeout_s: float = 30.0, quant: str | None = None,
-                 transactional: bool = False, fault: dict | None = None):
+                 transactional: bool = False, fault: dict | None = None, post_process: bool = False):
         self.conn, child = CTX.Pipe()
-        options = {"quant": quant, "transactional": transactional, "fault": fault}
+        options = {"quant": quant, "transactional": transactional, "fault": fault, "post_process": post_process}
         self.proc = CTX.Process(target=serve_tiny, args=(child, model, mxfp8, timeout_s), kwargs=options, daemon=True)
         self.proc.start()
         assert self.conn.poll(180), "engine did not start"

@@ -20,6 +20,7 @@ import pytest
 
 from engine_proc import faulty_trainer
 from faults import KILLED_ENGINE_EXIT, KILLED_TRAINER_EXIT, FaultyClient
+from mxrefit.plan import PlanMismatch, SourceSpec
 from mxrefit.sender import RefitError, Sender
 from mxrefit.transport.control import PeerTimeout
 from refit_helpers import (
@@ -234,6 +235,31 @@ def test_stale_or_duplicate_version_is_refused_and_nothing_written(engine):
             assert sender.status() == {"version": version, "state": "ready", "error": None}
             assert engine_matches(sender, weights) == []
         _assert_next_refit_lands(sender, 14)
+    finally:
+        sender.close()
+
+
+def test_plan_changed_between_refits(engine):
+    """Trainer tensors that no longer fit the plan (or the engine) are refused before any write; re-planning works."""
+    sender = _sender(engine)
+    try:
+        specs = trainer_specs(sender)
+        weights = random_weights(specs, 27)
+        sender.refit(weights)
+        version = sender.engine_status["version"]
+        name = "model.layers.1.mlp.experts.down_proj"
+        grown = [SourceSpec(s.name, (s.shape[0], s.shape[1], s.shape[2] + 32), s.dtype) if s.name == name else s
+                 for s in specs]
+        with pytest.raises(PlanMismatch, match=f"tensor '{name}': planned .* got"):
+            sender.refit(random_weights(grown, 28))
+        with pytest.raises(PlanMismatch, match=f"'{name}'"):  # nor can a new plan take them: the engine's tables differ
+            sender.plan(grown)
+        assert sender.status() == {"version": version, "state": "ready", "error": None}
+        assert engine_matches(sender, weights) == []
+        old_digest = sender.plan_.digest
+        sender.bucket_bytes = 256 << 10
+        assert sender.plan(specs).digest != old_digest
+        _assert_next_refit_lands(sender, 29)
     finally:
         sender.close()
 

@@ -11,7 +11,8 @@ from checks import engine_matches
 from mxrefit.formats import mxfp8
 from mxrefit.plan import PlanMismatch, SourceSpec, align
 from mxrefit.sender import RefitError, Sender
-from refit_helpers import EngineProcess, engine_digests, tiny_weights
+from engine_proc import SWIZZLED, swizzle_scales
+from refit_helpers import EngineProcess, engine_digests, sha, tiny_weights
 
 
 @pytest.mark.parametrize("quant", [None, "mxfp8", "fp8-block", "fp8-block-ue8m0"], ids=["bf16", "mxfp8", "fp8-block", "fp8-block-ue8m0"])
@@ -69,6 +70,27 @@ def test_refit_after_a_non_finite_abort_repairs():
         repaired = tiny_weights(53)
         assert sender.refit(repaired).version == 2 and sender.status()["state"] == "ready"
         assert engine_matches(sender, repaired) == []
+    finally:
+        engine.stop(sender)
+
+
+def test_post_processed_scales_follow_every_refit():
+    """An engine that derives swizzled scales after loading must not keep the first refit's copy (a field failure)."""
+    engine = EngineProcess(mxfp8=True, post_process=True)
+    sender = Sender(engine.address, engine.token, bucket_bytes=32 << 10)
+    try:
+        sender.connect()
+        params, dests = sender._tables
+        swizzled = {n: p for n, p in params.items() if n.endswith(SWIZZLED)}
+        assert len(swizzled) == sum(d.format == "mxfp8" for d in dests.values()) > 0
+        for step, seed in enumerate((31, 32, 33)):
+            weights = {n: t * 2.0**step for n, t in tiny_weights(seed).items()}
+            sender.refit(weights)
+            want = {f"{n}_scale{SWIZZLED}": sha(swizzle_scales(mxfp8.quantize(weights[n], backend="torch")[1]))
+                    for n, d in dests.items() if d.format == "mxfp8"}
+            ranges = [[n, 0, swizzled[n].nbytes] for n in want]
+            got = sender.client.request({"op": "checksum", "ranges": ranges}, 30, step="swizzled scales")["sha256"]
+            assert [n for n, g in zip(want, got) if g != want[n]] == [], f"stale derived scales after refit {step + 1}"
     finally:
         engine.stop(sender)
 
