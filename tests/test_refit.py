@@ -10,7 +10,7 @@ import torch
 from checks import engine_matches
 from mxrefit.formats import mxfp8
 from mxrefit.plan import PlanMismatch, SourceSpec, align
-from mxrefit.sender import RefitError, Sender
+from mxrefit.sender import Sender
 from engine_proc import SWIZZLED, swizzle_scales
 from refit_helpers import EngineProcess, engine_digests, sha, tiny_weights
 
@@ -172,19 +172,4 @@ def test_engine_refuses_a_plan_that_is_not_its_own():
         assert specs[0].name in " ".join(reply["problems"])
         assert sender.status() == {"version": 0, "state": "ready", "error": None}
     finally:
-        engine.stop(sender)
-
-
-def test_wrong_token_cannot_refit():
-    engine = EngineProcess()
-    intruder = Sender(engine.address, b"x" * 32, timeout_s=5)
-    sender = Sender(engine.address, engine.token)
-    try:
-        with pytest.raises(RefitError, match="refused"):
-            intruder.refit(tiny_weights(31))
-        weights = tiny_weights(32)
-        sender.refit(weights)
-        assert engine_matches(sender, weights) == []
-    finally:
-        intruder.close()
         engine.stop(sender)
