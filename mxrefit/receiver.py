@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +42,7 @@ from mxrefit.transport.exports import allocate, export_tensors
 log = logging.getLogger("mxrefit.receiver")
 
 _MAX_ERROR_CHARS = 1000
+HISTORY_REFITS = 100
 
 
 @dataclass
@@ -99,7 +101,7 @@ class Receiver:
         self.version = 0
         self.state = "ready"
         self.last_error: str | None = None
-        self.history: list[ReceiveStats] = []
+        self.history: deque[ReceiveStats] = deque(maxlen=HISTORY_REFITS)  # bounded: refits run for days
         self._params = engine.params()
         self._destinations = engine.destinations()
         self._shards = engine.shards()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
+import threading
 
 import torch
 
@@ -52,9 +54,19 @@ def _post_processing_engine(module, mxfp8: bool):
     return PostProcessingEngine(module, mxfp8=mxfp8)
 
 
+def _answer_probes(conn) -> None:
+    """Thread: report this process's count of gc-tracked objects whenever asked (the soak's leak check)."""
+    while True:
+        try:
+            conn.recv()
+        except EOFError:
+            return
+        conn.send({"objects": len(gc.get_objects())})
+
+
 def serve_tiny(conn, model: str, mxfp8: bool, timeout_s: float, tcp: bool = False, quant: str | None = None,
                transactional: bool = False, tp: tuple[int, int] = (0, 1), die_in_refit: tuple[int, int] | None = None,
-               fault: dict | None = None, post_process: bool = False) -> None:
+               fault: dict | None = None, post_process: bool = False, probe_conn=None) -> None:
     """A tiny transformers model behind a Receiver; ``tp`` = (rank, size) keeps that TP rank's slices.
 
     ``die_in_refit`` = (n, bucket): exit abruptly once bucket ``bucket`` of the n-th refit landed,
@@ -84,6 +96,8 @@ def serve_tiny(conn, model: str, mxfp8: bool, timeout_s: float, tcp: bool = Fals
     else:
         engine = MortalEngine(module, mxfp8=mxfp8, quant=quant, tp_rank=tp[0], tp_size=tp[1])
     receiver = Receiver(engine, timeout_s=timeout_s, tcp=tcp, transactional=transactional)
+    if probe_conn is not None:
+        threading.Thread(target=_answer_probes, args=(probe_conn,), daemon=True).start()
     conn.send({"address": receiver.address, "token": receiver.token})
     try:
         receiver.serve()

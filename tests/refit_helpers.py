@@ -26,9 +26,11 @@ class EngineProcess:
     """A tiny transformers model behind a real Receiver in a spawned process (``engine_proc.serve_tiny``)."""
 
     def __init__(self, model: str = "moe", mxfp8: bool = False, timeout_s: float = 30.0, quant: str | None = None,
-                 transactional: bool = False, fault: dict | None = None, post_process: bool = False):
+                 transactional: bool = False, fault: dict | None = None, post_process: bool = False, probe: bool = False):
         self.conn, child = CTX.Pipe()
-        options = {"quant": quant, "transactional": transactional, "fault": fault, "post_process": post_process}
+        self._probe, probe_child = CTX.Pipe() if probe else (None, None)
+        options = {"quant": quant, "transactional": transactional, "fault": fault, "post_process": post_process,
+                   "probe_conn": probe_child}
         self.proc = CTX.Process(target=serve_tiny, args=(child, model, mxfp8, timeout_s), kwargs=options, daemon=True)
         self.proc.start()
         assert self.conn.poll(180), "engine did not start"
@@ -38,6 +40,12 @@ class EngineProcess:
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    def probe(self) -> dict:
+        """The engine process's own view (gc-tracked object count); needs ``probe=True``."""
+        self._probe.send("probe")
+        assert self._probe.poll(30), "the engine did not answer the probe"
+        return self._probe.recv()
 
     def stop(self, sender: Sender | None = None) -> None:
         if sender is not None:

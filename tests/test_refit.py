@@ -10,7 +10,7 @@ import torch
 from checks import engine_matches
 from mxrefit.formats import mxfp8
 from mxrefit.plan import PlanMismatch, SourceSpec, align
-from mxrefit.sender import Sender
+from mxrefit.sender import RefitError, Sender
 from engine_proc import SWIZZLED, swizzle_scales
 from refit_helpers import EngineProcess, engine_digests, sha, tiny_weights
 
