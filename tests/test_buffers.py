@@ -249,19 +249,71 @@ def test_default_kind_follows_the_device():
     assert default_kind(torch.device("cuda")) == "cuda_ipc"
 
 
+_TOGGLE = """
+import json, torch
+from mxrefit.transport.cuda_ipc import allocator_settings, ipc_shareable_allocations
+seen = [allocator_settings()]
+with ipc_shareable_allocations():
+    seen.append(allocator_settings())
+seen.append(allocator_settings())
+print(json.dumps(seen))
+"""
+
+
 @pytest.mark.parametrize("var", ["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"])
-def test_expandable_segments_refused_before_allocating(monkeypatch, var):
-    monkeypatch.setenv(var, "max_split_size_mb:128, expandable_segments: True")
-    with pytest.raises(RuntimeError, match=f"{var}=.*expandable_segments.*Fix"):
-        create_buffers("cuda_ipc", 1, 64, "cuda")
+def test_ipc_buffers_are_allocated_with_expandable_segments_off_then_the_setting_is_restored(var):
+    """The allocator setting is process-wide and read at start-up, so each case runs in a fresh interpreter."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+    env[var] = "max_split_size_mb:128,expandable_segments:True"
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", _TOGGLE], env=env, capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    before, inside, after = json.loads(out)
+    assert before == "max_split_size_mb:128,expandable_segments:True"
+    assert inside == "max_split_size_mb:128,expandable_segments:False"
+    assert after == before
 
 
-def test_expandable_segments_false_is_not_refused(monkeypatch):
-    from mxrefit.transport.cuda_ipc import expandable_segments_setting
+def test_without_expandable_segments_the_allocator_is_left_alone(monkeypatch):
+    from mxrefit.transport.cuda_ipc import allocator_settings, expandable_segments_setting, ipc_shareable_allocations
 
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     assert expandable_segments_setting() is None
+    before = allocator_settings()
+    with ipc_shareable_allocations():
+        assert allocator_settings() == before
+
+
+_EXPANDABLE_OWNER = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import msgpack, torch
+from test_buffers import _run_spawned_child, pattern
+from mxrefit.transport.buffers import create_buffers
+from mxrefit.transport.exports import allocate
+
+filler = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")  # the trainer's own memory: expandable
+arena = allocate(8 << 20, "cuda")  # an engine's exportable memory (direct writes)
+with create_buffers("cuda_ipc", 2, 8 << 20, "cuda") as bufs:
+    segments = {s["address"]: s for s in torch.cuda.memory_snapshot()}
+    def expandable(t):
+        return any(a <= t.data_ptr() < a + s["total_size"] and s["is_expandable"] for a, s in segments.items())
+    _run_spawned_child(msgpack.packb(bufs.describe()), 31)
+    torch.cuda.synchronize()
+    seen = all(torch.equal(b.cpu(), pattern(b.numel(), 31 + i)) for i, b in enumerate(bufs.buffers))
+    after = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    print(json.dumps({"filler": expandable(filler), "buffers": [expandable(b) for b in bufs.buffers],
+                      "arena": expandable(arena), "after": expandable(after), "seen": seen}))
+"""
+
+
+@needs_cuda
+def test_cuda_ipc_works_for_a_trainer_with_expandable_segments():
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    out = subprocess.run([sys.executable, "-c", _EXPANDABLE_OWNER, TESTS_DIR], env=env, capture_output=True,
+                         text=True, timeout=300, check=True).stdout
+    report = json.loads(out.splitlines()[-1])
+    assert report == {"filler": True, "buffers": [False, False], "arena": False, "after": True, "seen": True}, report
 
 
 @needs_cuda

@@ -15,13 +15,25 @@ One export carries one reference, so ``describe()`` exports afresh on every call
 opening process its own description (the engine opens once per session). An export that is never
 opened keeps its block parked until the owner exits.
 
+Expandable segments (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, common in trainers to
+fight fragmentation) map memory with cuMemCreate/cuMemMap, which the legacy CUDA IPC handle
+cannot name; torch's own export of such memory needs driver-specific file-descriptor passing
+that fails in many containers. The buffers are therefore allocated with expandable segments
+switched off for the moment of allocation, which the caching allocator supports for exactly this
+reason (``get_free_block`` in c10/cuda/CUDACachingAllocator.cpp skips expandable blocks "since we
+cannot share expandable memory via IPC, someone might temporarily disable it") and which makes it
+``cudaMalloc`` fresh segments; the process's setting is restored right after. Everything else the
+trainer allocates keeps expandable segments.
+
 Nothing touches CUDA at import time, so this module imports fine on a CPU-only machine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -46,28 +58,53 @@ _OWNED_HERE: set[str] = set()
 _OPEN_HERE: set[tuple[bytes, int]] = set()
 
 
+def _enables_expandable(settings: str) -> bool:
+    """Whether an allocator settings string (``key:value,...``) turns expandable segments on."""
+    for item in settings.split(","):
+        key, _, value = item.partition(":")
+        if key.strip() == "expandable_segments" and value.strip().lower() == "true":
+            return True
+    return False
+
+
 def expandable_segments_setting(environ: dict[str, str] | None = None) -> str | None:
-    """``"VAR=value"`` if an allocator setting turns on expandable segments, else None."""
+    """``"VAR=value"`` if an allocator environment variable turns on expandable segments, else None."""
     env = os.environ if environ is None else environ
     for var in ALLOC_CONF_VARS:
-        value = env.get(var, "")
-        for item in value.split(","):
-            key, _, setting = item.partition(":")
-            if key.strip() == "expandable_segments" and setting.strip().lower() == "true":
-                return f"{var}={value}"
+        if _enables_expandable(env.get(var, "")):
+            return f"{var}={env[var]}"
     return None
 
 
-def check_allocator_for_ipc(environ: dict[str, str] | None = None) -> None:
-    """Refuse up front: CUDA IPC export of expandable-segment memory is known to break."""
-    setting = expandable_segments_setting(environ)
-    if setting is not None:
-        raise RuntimeError(
-            f"cannot create CUDA IPC transfer buffers while {setting} enables expandable_segments: "
-            "CUDA IPC of caching-allocator memory in expandable segments is known to break (the "
-            "export or the engine's open fails). Fix: start the trainer without "
-            "expandable_segments:True (or with expandable_segments:False), or use kind='shm'."
-        )
+def allocator_settings() -> str:
+    """The caching allocator's settings as last set (at run time, else from the environment)."""
+    get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    if get is not None:
+        return get()
+    return ",".join(os.environ.get(var, "") for var in ALLOC_CONF_VARS)
+
+
+def _set_allocator_settings(settings: str) -> None:
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is None:  # torch releases before the accelerator-generic setter
+        setter = torch.cuda.memory._set_allocator_settings
+    setter(settings)
+
+
+@contextlib.contextmanager
+def ipc_shareable_allocations() -> Iterator[None]:
+    """Inside, the caching allocator hands out cudaMalloc memory (CUDA IPC can export it), whatever the
+    process's expandable_segments setting; the setting is restored on the way out (see the module docstring)."""
+    before = allocator_settings()
+    if not _enables_expandable(before):
+        yield
+        return
+    items = [i for i in before.split(",") if i.partition(":")[0].strip() not in ("", "expandable_segments")]
+    _set_allocator_settings(",".join([*items, "expandable_segments:False"]))
+    try:
+        yield
+    finally:
+        _set_allocator_settings(before)
 
 
 def _cuda_device(device: torch.device | str) -> torch.device:
@@ -112,10 +149,10 @@ class CudaIpcBuffers(TransferBuffers):
     kind = "cuda_ipc"
 
     def __init__(self, count: int, nbytes: int, device: torch.device | str) -> None:
-        check_allocator_for_ipc()
         self.device = _cuda_device(device)
         self.nbytes = nbytes
-        self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(count)]
+        with ipc_shareable_allocations():
+            self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(count)]
         self._uuid = _device_uuid(self.device.index)
         self._owner_id = secrets.token_hex(16)
         _OWNED_HERE.add(self._owner_id)

@@ -9,7 +9,8 @@ storage behind its destination tensors once per plan; the trainer opens the expo
 Two kinds, chosen by where the engine's tensors live:
 - ``cuda_ipc``: CUDA IPC of each distinct storage (``mxrefit.transport.cuda_ipc`` does the
   handle work). Memory must come from ``cudaMalloc`` (the caching allocator without
-  expandable segments), which ``allocate`` guarantees for memory mxrefit allocates itself.
+  expandable segments), which ``allocate`` guarantees for memory mxrefit allocates itself,
+  also in a process running expandable segments (``cuda_ipc.ipc_shareable_allocations``).
 - ``shm``: host tensors inside a shared-memory segment made by ``allocate`` (POSIX shm), so
   CPU engines and the tests run the same path.
 
@@ -34,16 +35,17 @@ _SHM_ARENAS: dict[int, tuple[str, int]] = {}  # base address -> (segment name, n
 def allocate(nbytes: int, device: torch.device | str) -> torch.Tensor:
     """A flat uint8 tensor of ``nbytes`` that ``export_tensors`` can export.
 
-    CUDA: plain device memory (refused under expandable segments, whose memory CUDA IPC
-    cannot export). Host: a shared-memory segment, unlinked when the tensor is freed.
+    CUDA: plain cudaMalloc'd device memory, also when the process runs expandable segments
+    (whose memory CUDA IPC cannot export). Host: a shared-memory segment, unlinked when the
+    tensor is freed.
     """
     device = torch.device(device)
     check_int(nbytes, "nbytes", 1, MAX_BUFFER_BYTES)
     if device.type == "cuda":
-        from mxrefit.transport.cuda_ipc import check_allocator_for_ipc
+        from mxrefit.transport.cuda_ipc import ipc_shareable_allocations
 
-        check_allocator_for_ipc()
-        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        with ipc_shareable_allocations():
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
     if device.type != "cpu":
         raise ValueError(f"exportable memory lives on CUDA or in host shared memory, not on {device}")
     from mxrefit.transport.shm import ShmBuffers
