@@ -368,9 +368,9 @@ class LoggedOffloader(OptimizerOffloader):
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
 def test_phase_orders_the_parts_times_each_and_keeps_the_refit_report(overlap):
-    from test_refit import Engine, engine_matches
+    from refit_helpers import EngineProcess, engine_matches
 
-    engine_proc = Engine(model="moe")
+    engine_proc = EngineProcess(model="moe")
     model, opt = _trained(seed=5, dtype=torch.bfloat16)
     before = _snapshot(model, opt)
     log: list = []
