@@ -326,7 +326,7 @@ class Sender:
         version = int(self.engine_status.get("version", 0)) + 1 if version is None else version
         report = RefitReport(version, transport=self.transport, check_s=time.perf_counter() - t0)
         if self._unfinished is not None:
-            self._preempt(f"refit {self._unfinished} failed; refit {version} replaces it")
+            self._preempt(f"refit {self._unfinished} did not finish; refit {version} starts")
         self._unfinished = version
         acked = 0
         try:
