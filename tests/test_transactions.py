@@ -14,7 +14,7 @@ import pytest
 
 from engine_proc import dying_trainer, serve_tiny
 from mxrefit.sender import RefitError, Sender
-from test_refit import _weights, engine_matches
+from refit_helpers import engine_matches, tiny_weights
 
 CTX = mp.get_context("spawn")
 
@@ -55,13 +55,13 @@ def test_verified_refits_land_and_a_corrupted_bucket_is_caught(transactional):
     engine = EngineProc(transactional=transactional)
     good = Sender(engine.address, engine.token, bucket_bytes=32 << 10, verify=True)
     try:
-        first = _weights(51)
+        first = tiny_weights(51)
         good.refit(first)
         assert good.status() == {"version": 1, "state": "ready", "error": None}
         assert engine_matches(good, first) == []
         bad = CorruptingSender(engine.address, engine.token, bucket_bytes=32 << 10, verify=True)
         with pytest.raises(RefitError, match="bucket 1 failed its integrity check"):
-            bad.refit(_weights(52))
+            bad.refit(tiny_weights(52))
         bad.close()
         status = good.status()
         assert status["version"] == 1 and "integrity" in status["error"]
@@ -70,7 +70,7 @@ def test_verified_refits_land_and_a_corrupted_bucket_is_caught(transactional):
         else:
             assert status["state"] == "partial"
         good.plan(good.plan_.sources)  # the engine's buffers are this sender's again
-        third = _weights(53)
+        third = tiny_weights(53)
         assert good.refit(third).version == 2
         assert good.status()["state"] == "ready" and engine_matches(good, third) == []
     finally:
@@ -81,7 +81,7 @@ def test_a_transactional_engine_keeps_serving_its_version_when_the_trainer_dies(
     engine = EngineProc(transactional=True, timeout_s=3.0)
     sender = Sender(engine.address, engine.token, bucket_bytes=16 << 10)
     try:
-        first = _weights(61)
+        first = tiny_weights(61)
         sender.refit(first)
         dying = CTX.Process(target=dying_trainer, args=(engine.address, engine.token, "moe", 2))
         dying.start()
@@ -94,7 +94,7 @@ def test_a_transactional_engine_keeps_serving_its_version_when_the_trainer_dies(
         assert status["state"] == "ready" and status["version"] == 1 and "timeout" in status["error"]
         assert engine_matches(sender, first) == []  # buckets 0 and 1 of the dead refit never reached the weights
         sender.plan(sender.plan_.sources)
-        second = _weights(62)
+        second = tiny_weights(62)
         assert sender.refit(second).version == 2 and engine_matches(sender, second) == []
     finally:
         engine.stop(sender)
