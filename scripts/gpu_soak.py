@@ -1,14 +1,16 @@
 """H200 soak: repeated refits of Qwen3-30B-A3B's exact shapes over CUDA IPC, resources sampled; expandable segments.
 
     python scripts/gpu_soak.py                 # on the H200: JSON to $OUT/gpu_soak.json (about 4 minutes, 9.5 at most)
-    python scripts/gpu_soak.py --smoke         # on a CPU: tiny model over shared memory, GPU-only parts skipped
+    python scripts/gpu_soak.py --smoke         # on a CPU: tiny model over shared memory, CUDA-only runs skipped
 
 Runs, each a fresh trainer process that spawns its engine process (``vllm_layout`` tables in a
 ``LayoutEngine``, a real ``Receiver``; the trainer is a real ``Sender``):
-- ``default``: ``--refits`` refits (100) with the default allocator;
-- ``expandable_segments``: the same with the trainer started under
-  ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``; its transfer buffers must not be
-  expandable (``torch.cuda.memory_snapshot``) while its weights are.
+- ``direct``: ``--refits`` refits (100), the trainer writing into the engine's exported arena
+  (the default transport on one GPU);
+- ``buffers``: ``--refits`` refits through the two persistent CUDA IPC transfer buffers;
+- ``buffers_expandable`` and ``direct_expandable``: 30 refits each with both processes started
+  under ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``; the transfer buffers must not be
+  expandable (``torch.cuda.memory_snapshot``) while the trainer's weights are.
 Each run records every refit's time and, at refits 1, 10, 50 and the last, per process: CUDA
 memory allocated/reserved (the engine's via a probe thread), host RSS, open fds, mappings of
 ``/dev/nvidia*`` (where opened IPC handles show), gc-tracked objects; plus device memory used
@@ -80,7 +82,8 @@ def _answer_probes(conn, device: torch.device) -> None:
             conn.recv()
         except EOFError:
             return
-        conn.send({**_cuda_counts(device), "objects": len(gc.get_objects())})
+        expandable = sum(s.get("is_expandable", False) for s in torch.cuda.memory_snapshot()) if device.type == "cuda" else 0
+        conn.send({**_cuda_counts(device), "objects": len(gc.get_objects()), "expandable_segments": expandable})
 
 
 def engine_main(conn, probe_conn, model: str, device: str, timeout_s: float) -> None:
@@ -130,7 +133,7 @@ def _flat(samples: list[dict]) -> dict:
     return checks
 
 
-def trainer_run(model: str, device: str, refits: int, bucket_mb: int, out_path: str) -> None:
+def trainer_run(model: str, device: str, refits: int, bucket_mb: int, transport: str, out_path: str) -> None:
     from mxrefit.bench.run import _sample_check, make_weights
     from mxrefit.engines.vllm_layout import vllm_destinations
     from mxrefit.plan import SourceSpec
@@ -149,17 +152,19 @@ def trainer_run(model: str, device: str, refits: int, bucket_mb: int, out_path: 
     probe, probe_child = ctx.Pipe()
     proc = ctx.Process(target=engine_main, args=(child, probe_child, model, device, 300.0), daemon=True)
     proc.start()
-    result: dict = {"model": model, "device": device, "tensors": len(specs), "refits": refits,
+    result: dict = {"model": model, "device": device, "tensors": len(specs), "refits": refits, "transport": transport,
                     "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "ok": False}
     sender = None
     try:
         if not conn.poll(180):
             raise RuntimeError("the engine process did not start within 180 s")
         hello = conn.recv()
-        sender = Sender(hello["address"], hello["token"], device=dev, bucket_bytes=bucket_mb << 20, timeout_s=300)
+        sender = Sender(hello["address"], hello["token"], device=dev, bucket_bytes=bucket_mb << 20, timeout_s=300,
+                        transport=transport)
         sender.plan(specs)
+        result["transport_used"] = sender.transport
         if dev.type == "cuda":
-            result["buffers_expandable"] = _buffers_expandable(sender)
+            result["buffers_expandable"] = _buffers_expandable(sender) if sender.buffers is not None else []
             result["weights_expandable"] = any(s.get("is_expandable", False) for s in torch.cuda.memory_snapshot())
         times, samples, checks = [], [], []
         for refit in range(1, refits + 1):
@@ -171,7 +176,7 @@ def trainer_run(model: str, device: str, refits: int, bucket_mb: int, out_path: 
             sender.refit(weights)
             times.append(time.perf_counter() - t)
             if refit in SAMPLES or refit == refits:
-                check = _sample_check(sender, vllm_destinations(shape, mxfp8=True), weights)
+                check = _sample_check(sender, shape, vllm_destinations(shape, mxfp8=True), weights, "none")
                 checks.append({"refit": refit, **check})
                 probe.send("probe")
                 engine_side = probe.recv() if probe.poll(60) else {}
@@ -266,7 +271,8 @@ def _summary(name: str, run: dict) -> str:
     if "samples" not in run:
         return f"{name}: FAILED {run.get('error', '')[-800:]}"
     times = run["times_s"]
-    lines = [f"{name}: ok={run['ok']} refits={len(times)} first={times[0]:.3f}s median={sorted(times)[len(times) // 2]:.3f}s "
+    lines = [f"{name} ({run.get('transport_used')}): ok={run['ok']} refits={len(times)} first={times[0]:.3f}s "
+             f"median={sorted(times)[len(times) // 2]:.3f}s "
              f"last={times[-1]:.3f}s bytes_exact={run['bytes_exact']} buffers_expandable={run.get('buffers_expandable')}"]
     for s in run["samples"]:
         t, e = s["trainer"], s["engine"]
@@ -278,6 +284,13 @@ def _summary(name: str, run: dict) -> str:
     return "\n".join(lines)
 
 
+def _write(path: str, report: dict, started: float) -> None:
+    report["wall_s"] = time.perf_counter() - started
+    report["ok"] = all(r.get("ok") for r in report["runs"].values())
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="CPU: tiny model over shared memory, GPU-only parts skipped")
@@ -287,10 +300,11 @@ def main() -> int:
     p.add_argument("--role", choices=["trainer", "raw-expandable-ipc"], help=argparse.SUPPRESS)
     p.add_argument("--model", default="qwen3-30b-a3b", help=argparse.SUPPRESS)
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
+    p.add_argument("--transport", default="direct", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.role == "trainer":
-        trainer_run(args.model, args.device, args.refits, args.bucket_mb, args.result)
+        trainer_run(args.model, args.device, args.refits, args.bucket_mb, args.transport, args.result)
         return 0
     if args.role == "raw-expandable-ipc":
         raw_expandable_ipc(args.result)
@@ -306,26 +320,28 @@ def main() -> int:
     report: dict = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
                     "model": model, "refits": refits, "bucket_mb": bucket_mb, "runs": {}}
     started = time.perf_counter()
-    common = ["--role", "trainer", "--model", model, "--device", device, "--refits", str(refits),
-              "--bucket-mb", str(bucket_mb)]
-    # time limits keep a hung step from taking the whole 10-minute device slot: 240 + 240 + 90 s at most
-    report["runs"]["default"] = _child(common, {}, os.path.join(args.out, "gpu_soak_default.part.json"), 240)
+    out_json = os.path.join(args.out, "gpu_soak.json")
+    # (name, environment, transport, refits, time limit): at most 150 + 150 + 110 + 110 + 60 s
+    runs = [("direct", {}, "direct", refits, 150), ("buffers", {}, "cuda_ipc", refits, 150),
+            ("buffers_expandable", EXPANDABLE_ENV, "cuda_ipc", 30, 110),
+            ("direct_expandable", EXPANDABLE_ENV, "direct", 30, 110)]
+    if not cuda:  # the same two data paths over host shared memory
+        runs = [("direct", {}, "direct", refits, 240), ("buffers", {}, "shm", refits, 240)]
+        report["skipped"] = "the expandable_segments runs and the raw IPC diagnostic need CUDA"
+    for name, env, transport, n, limit in runs:
+        args_ = ["--role", "trainer", "--model", model, "--device", device, "--refits", str(n),
+                 "--bucket-mb", str(bucket_mb), "--transport", transport]
+        report["runs"][name] = _child(args_, env, os.path.join(args.out, f"gpu_soak_{name}.part.json"), limit)
+        _write(out_json, report, started)  # written after every step: a cut-off run still leaves its figures
     if cuda:
-        report["runs"]["expandable_segments"] = _child(common, EXPANDABLE_ENV,
-                                                       os.path.join(args.out, "gpu_soak_expandable.part.json"), 240)
         report["raw_expandable_ipc"] = _child(["--role", "raw-expandable-ipc"], EXPANDABLE_ENV,
-                                              os.path.join(args.out, "gpu_soak_raw.part.json"), 90)
-    else:
-        report["skipped"] = "expandable_segments run and raw IPC diagnostic need CUDA"
-    report["wall_s"] = time.perf_counter() - started
-    report["ok"] = all(r.get("ok") for r in report["runs"].values())
-    with open(os.path.join(args.out, "gpu_soak.json"), "w") as f:
-        json.dump(report, f, indent=1)
+                                              os.path.join(args.out, "gpu_soak_raw.part.json"), 60)
+    _write(out_json, report, started)
     for name, run in report["runs"].items():
         print(_summary(name, run))
     if "raw_expandable_ipc" in report:
         print("raw expandable IPC:", {k: v for k, v in report["raw_expandable_ipc"].items() if k != "stderr_tail"})
-    print(f"ok={report['ok']} wall {report['wall_s']:.0f} s -> {os.path.join(args.out, 'gpu_soak.json')}")
+    print(f"ok={report['ok']} wall {report['wall_s']:.0f} s -> {out_json}")
     return 0 if report["ok"] else 1
 
 
