@@ -49,7 +49,7 @@ from typing import Any, ClassVar
 import torch
 
 from mxrefit.devices import resolve
-from mxrefit.engines.base import Destination, Engine, ParamSpec, Target
+from mxrefit.engines.base import Destination, Engine, ParamSpec, Shard, Target
 from mxrefit.engines.staging import StagedUnit, StagingPool
 from mxrefit.engines.vllm_layout import MXFP8_LAYOUT, QUANT_LAYOUTS, QuantLayout
 from mxrefit.shapes import EXPERT_LAYOUTS, ModelShape
@@ -153,6 +153,80 @@ def _fast_tables(shape: ModelShape, live: dict, experts: str, fp8_block: str = "
     return params, dests, problems
 
 
+@dataclass(frozen=True)
+class TensorParallelRank:
+    """Where this worker sits in vLLM's tensor parallelism (experts split whole over the ranks
+    with ``expert_parallel``)."""
+
+    rank: int = 0
+    size: int = 1
+    expert_parallel: bool = False
+
+
+def tensor_parallel_rank(vllm_config: Any) -> TensorParallelRank:
+    """This worker's rank, read from vLLM's parallel state; layouts mxrefit does not model are refused."""
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size != 1:
+        raise VllmSetupError(
+            f"this vLLM runs with pipeline parallel size {parallel.pipeline_parallel_size}; mxrefit's vLLM engine "
+            f"needs every worker to hold all layers (PP=1)")
+    if parallel.tensor_parallel_size == 1:
+        return TensorParallelRank()
+    # vLLM flattens MoE tensor parallelism across data and prefill-context parallel ranks
+    # (FusedMoEParallelConfig.make), and EPLB or round-robin placement move experts: the
+    # slices would no longer be the ones vllm_shards gives
+    unmodelled = {"data_parallel_size": parallel.data_parallel_size,
+                  "prefill_context_parallel_size": parallel.prefill_context_parallel_size}
+    unmodelled = {k: v for k, v in unmodelled.items() if v != 1}
+    if parallel.enable_expert_parallel and parallel.enable_eplb:
+        unmodelled["enable_eplb"] = True
+    if parallel.enable_expert_parallel and parallel.expert_placement_strategy != "linear":
+        unmodelled["expert_placement_strategy"] = parallel.expert_placement_strategy
+    if unmodelled:
+        raise VllmSetupError(
+            f"this vLLM runs tensor parallel size {parallel.tensor_parallel_size} with {unmodelled}; mxrefit models "
+            f"tensor parallelism alone, with or without expert parallelism in vLLM's default linear placement")
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    size = get_tensor_model_parallel_world_size()
+    if size != parallel.tensor_parallel_size:
+        raise VllmSetupError(f"vLLM's tensor-parallel group has {size} ranks, its config says "
+                             f"{parallel.tensor_parallel_size}")
+    return TensorParallelRank(get_tensor_model_parallel_rank(), size, bool(parallel.enable_expert_parallel))
+
+
+def _sharded_tables(shape: ModelShape, live: dict, experts: str, tp: TensorParallelRank
+                    ) -> tuple[dict[str, ParamSpec], dict[str, Destination], dict[str, Shard], list[str]]:
+    """Whole-model tables and this rank's slices, checked against the rank's own checkpoint-format
+    params (vLLM records them per rank): every param must be exactly its slice of the whole."""
+    from mxrefit.engines.vllm_layout import quantized_param_names, vllm_destinations, vllm_params, vllm_shards
+
+    pairs = _scale_pairs(live, quantized_param_names(shape), _quant_layouts("fp8-block"))
+    sliceless = sorted({layout.format for layout, _ in pairs.values()} - {MXFP8_LAYOUT.format})
+    if sliceless:
+        return {}, {}, {}, [f"{shape.name}: the rank holds {sliceless[0]} weights, whose tensor-parallel slices are not "
+                            f"modelled (only bf16 and mxfp8 weights can be held in slices)"]
+    quantized = list(pairs) or None
+    mx = quantized is not None
+    params = vllm_params(shape, mxfp8=mx, quantized=quantized)
+    dests = vllm_destinations(shape, mxfp8=mx, experts=experts, quantized=quantized)
+    shards = vllm_shards(shape, mxfp8=mx, tp_rank=tp.rank, tp_size=tp.size, expert_parallel=tp.expert_parallel,
+                         quantized=quantized)
+    problems = []
+    for name, spec in params.items():
+        want = shards[name].local_shape(spec.shape) if name in shards else spec.shape
+        got = live.get(name)
+        if got is None:
+            problems.append(f"{name}: in mxrefit's table but not in the live model")
+        elif got[0] != want or got[1] != spec.dtype:
+            problems.append(f"{name}: the rank holds {got[0]} {got[1]}, mxrefit expects {want} {spec.dtype} "
+                            f"(its slice of the whole {spec.shape})")
+    for name, (_, _, kind) in live.items():
+        if name not in params and kind not in _NOT_WEIGHTS:
+            problems.append(f"{name}: a {kind} parameter the table does not know")
+    return params, dests, shards, problems
+
+
 def _manifest(model_path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Names, shapes and dtypes of the checkpoint's tensors (safetensors headers; no data read)."""
     from safetensors import safe_open
@@ -252,7 +326,13 @@ class _ModuleUnit:
 
 
 class VllmEngine(Engine):
-    """The live vLLM model of one worker (TP=1) as an mxrefit engine."""
+    """The live vLLM model of one worker as an mxrefit engine.
+
+    A tensor-parallel rank (TP > 1, PP = 1) describes the WHOLE model — the same tables on
+    every rank, so the ranks share one plan — and gives its slices in ``shards()``; it stages
+    and processes only its own slices. It is refitted over the broadcast transport
+    (``mxrefit.broadcast.BroadcastSender``), never by direct writes.
+    """
 
     def __init__(self, model: torch.nn.Module, vllm_config: Any, device: torch.device | str, *,
                  experts: str = "per_expert", fp8_block: str = "fp8-block", verify: bool | None = None):
@@ -264,19 +344,17 @@ class VllmEngine(Engine):
         if experts not in EXPERT_LAYOUTS:
             raise VllmSetupError(f"experts must be one of {EXPERT_LAYOUTS}, got {experts!r}")
         _quant_layouts(fp8_block)
-        tp = vllm_config.parallel_config.tensor_parallel_size
-        if tp != 1 or vllm_config.parallel_config.pipeline_parallel_size != 1:
-            raise VllmSetupError(
-                f"this vLLM runs with tensor parallel size {tp} and pipeline parallel size "
-                f"{vllm_config.parallel_config.pipeline_parallel_size}; mxrefit's colocated transport serves one "
-                f"worker holding the whole model (TP=PP=1) — refit sharded engines with the broadcast transport"
-            )
+        self.tp = tensor_parallel_rank(vllm_config)
         self.model = model
         self.model_config = vllm_config.model_config
         self._device = resolve(device)
         self.verify = os.environ.get("MXREFIT_VERIFY") == "1" if verify is None else verify
         self._verified = False
         live = checkpoint_specs(model)
+        self._shards: dict[str, Shard] = {}
+        if self.tp.size > 1:
+            self._init_rank(live, experts)
+            return
         self.slow_path: list[str] = []
         try:
             shape = ModelShape.from_hf_config(self.model_config.hf_config, name=str(self.model_config.model))
@@ -293,6 +371,39 @@ class VllmEngine(Engine):
         self._destinations = dests
         self.units = self._units(live)
         self.pool = StagingPool(params, self.units, self._device)
+
+    def _init_rank(self, live: dict, experts: str) -> None:
+        """A tensor-parallel rank: whole-model tables, its own slices, staging in local shapes.
+
+        No slow path here: vLLM's loader would need every whole checkpoint tensor staged on
+        every rank. Any disagreement between the rank's checkpoint-format params and its
+        slices of the tables (an architecture the tables do not know, a tensor-parallel
+        layout mxrefit does not model) is refused before any weight moves.
+        """
+        tp = self.tp
+        where = f"tensor-parallel rank {tp.rank} of {tp.size}{' (expert parallel)' if tp.expert_parallel else ''}"
+        try:
+            shape = ModelShape.from_hf_config(self.model_config.hf_config, name=str(self.model_config.model))
+            params, dests, shards, problems = _sharded_tables(shape, live, experts, tp)
+        except ValueError as err:
+            problems = [str(err)]
+        if problems:
+            raise VllmSetupError(
+                f"{where}: mxrefit's slices of the whole model do not match the parameters this rank holds, so "
+                f"this engine cannot be refitted rank by rank: " + "; ".join(problems[:8])
+                + (f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""))
+        self.slow_path = []
+        self._params = params
+        self._destinations = dests
+        self._shards = shards
+        self.units = self._units(live)
+        self.pool = StagingPool({n: self._local_spec(n) for n in params}, self.units, self._device)
+
+    def _local_spec(self, name: str) -> ParamSpec:
+        """The param as this rank holds it (its slice's shape on a tensor-parallel rank)."""
+        spec = self._params[name]
+        shard = self._shards.get(name)
+        return spec if shard is None else ParamSpec(name, shard.local_shape(spec.shape), spec.dtype)
 
     # -- units: one per vLLM module (or one for the whole slow path) --
     def _units(self, live: dict) -> list[StagedUnit]:
@@ -315,7 +426,7 @@ class VllmEngine(Engine):
 
                 for attr, name in attrs.items():
                     if not attr.endswith("_scale"):
-                        spec = self._params[name]
+                        spec = self._local_spec(name)
                         try:
                             check_moe_alignment(name, spec.shape[1], spec.shape[2])
                         except ValueError as err:
@@ -384,14 +495,15 @@ class VllmEngine(Engine):
         return self.pool.storage(param)
 
     def read(self, param: str) -> torch.Tensor:
-        """The live parameter's bytes, where vLLM serves it in the checkpoint's own shape and dtype.
+        """The live parameter's bytes (a tensor-parallel rank's: its slice), where vLLM serves it in
+        the checkpoint's own shape and dtype.
 
         Processed layouts (repacked, dequantized, prepacked) have no byte-for-byte counterpart
         in the tables: those raise ValueError; check them through ``kernel_state`` instead.
         """
         mname, _, attr = param.rpartition(".")
         live = self.model.get_submodule(mname)._parameters.get(attr)
-        spec = self._params[param]
+        spec = self._local_spec(param)
         if live is None or tuple(live.shape) != spec.shape or live.dtype != spec.dtype or not live.is_contiguous():
             raise ValueError(f"{param}: vLLM serves it in a processed layout; no checkpoint bytes to read")
         return live.detach().reshape(-1).view(torch.uint8)
@@ -406,6 +518,9 @@ class VllmEngine(Engine):
             data = p.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
             out[name] = {"sha256": hashlib.sha256(data).hexdigest(), "shape": list(p.shape), "dtype": str(p.dtype)}
         return out
+
+    def shards(self) -> dict[str, Shard]:
+        return dict(self._shards)
 
     def after_bucket(self, bucket: int) -> None:
         with torch.no_grad():
@@ -520,6 +635,11 @@ def _engine_classes():
             from mxrefit.receiver import Receiver
 
             self.shutdown()
+            if self.vllm_config.parallel_config.tensor_parallel_size > 1:
+                raise VllmSetupError(
+                    "the 'mxrefit' weight-transfer backend serves one worker at the one address the trainer "
+                    "chose; with tensor parallel size > 1 use the worker extension (RefitWorkerExtension: "
+                    "mxrefit_init on every worker) and mxrefit.broadcast.BroadcastSender")
             engine = VllmEngine(self.model, self.vllm_config, self.device, experts=init_info.experts,
                                 fp8_block=init_info.fp8_block)
             self.receiver = Receiver(engine, address=init_info.address, token=bytes.fromhex(init_info.token_hex),
