@@ -536,25 +536,47 @@ class VllmEngine(Engine):
 
 
 # ---- worker side plumbing -----------------------------------------------------------------
+def worker_address(address: str | None, tp: TensorParallelRank) -> str | None:
+    """The address this worker binds: ``{ip}`` becomes its host's IP (vLLM's ``get_ip``), ``{rank}``
+    its tensor-parallel rank. With TP > 1 every worker gets the same string, so one that names a
+    single socket is refused (a second ipc bind would silently take over the first one's path)."""
+    if address is None:
+        return None
+    if tp.size > 1 and "{rank}" not in address and not address.endswith(":*"):
+        raise VllmSetupError(
+            f"address {address!r} would be bound by all {tp.size} tensor-parallel workers; put '{{rank}}' in it "
+            f"or use a tcp address with port '*' (e.g. 'tcp://{{ip}}:*' with allow_remote=True)")
+    if "{ip}" in address:
+        from vllm.utils.network_utils import get_ip
+
+        address = address.replace("{ip}", get_ip())
+    return address.replace("{rank}", str(tp.rank))
+
+
 class _WorkerRefit:
     """A Receiver serving one vLLM worker's model; refits are served on the worker's thread."""
 
     def __init__(self, worker: Any, *, address: str | None, token: bytes | None, experts: str,
-                 timeout_s: float, tcp: bool = False, fp8_block: str = "fp8-block"):
+                 timeout_s: float, tcp: bool = False, fp8_block: str = "fp8-block", allow_remote: bool = False):
         from mxrefit.receiver import Receiver
 
         engine = VllmEngine(worker.model_runner.get_model(), worker.vllm_config, worker.device, experts=experts,
                             fp8_block=fp8_block)
         self.engine = engine
-        self.receiver = Receiver(engine, address=address, token=token, timeout_s=timeout_s, tcp=tcp)
+        self.receiver = Receiver(engine, address=worker_address(address, engine.tp), token=token, timeout_s=timeout_s,
+                                 tcp=tcp, allow_remote=allow_remote)
 
     def info(self) -> dict:
         return {"address": self.receiver.address, "token": self.receiver.token.hex(),
-                "slow_path": len(self.engine.slow_path), "units": len(self.engine.units), **self.receiver.status()}
+                "slow_path": len(self.engine.slow_path), "units": len(self.engine.units),
+                "tp_rank": self.engine.tp.rank, "tp_size": self.engine.tp.size, **self.receiver.status()}
 
-    def receive(self, refits: int = 1) -> dict:
+    def receive(self, refits: int | None = 1) -> dict:
+        # serving until "shutdown" (refits=None), a trainer that goes silent for the receiver's
+        # timeout frees the worker rather than holding its RPC forever
+        idle = self.receiver.timeout_s if refits is None else None
         with torch.no_grad():
-            self.receiver.serve(refits=refits)
+            self.receiver.serve(refits=refits, idle_timeout_s=idle)
         if self.engine.device.type == "cuda":
             torch.cuda.synchronize(self.engine.device)
         return self.info()
@@ -569,18 +591,25 @@ class RefitWorkerExtension:
     ``llm.collective_rpc("mxrefit_init", kwargs=...)`` etc. Plain data in and out."""
 
     def mxrefit_init(self, address: str | None = None, token_hex: str | None = None, experts: str = "per_expert",
-                     timeout_s: float = 120.0, tcp: bool = False, fp8_block: str = "fp8-block") -> dict:
+                     timeout_s: float = 120.0, tcp: bool = False, fp8_block: str = "fp8-block",
+                     allow_remote: bool = False) -> dict:
         """Build the engine tables and open the control socket; returns its address and token (hex).
-        ``fp8_block``: the wire format for a block-FP8 engine (``VllmEngine``)."""
+        ``fp8_block``: the wire format for a block-FP8 engine (``VllmEngine``).
+
+        Every worker answers (``collective_rpc`` returns one dict per worker, with its
+        ``tp_rank``/``tp_size``). ``address`` may hold ``{ip}`` and ``{rank}`` (``worker_address``);
+        a worker on another node than the trainer binds e.g. ``"tcp://{ip}:*"`` with ``allow_remote=True``.
+        """
         if getattr(self, "_mxrefit", None) is not None:
             self._mxrefit.close()
         token = bytes.fromhex(token_hex) if token_hex else None
         self._mxrefit = _WorkerRefit(self, address=address, token=token, experts=experts, timeout_s=timeout_s, tcp=tcp,
-                                     fp8_block=fp8_block)
+                                     fp8_block=fp8_block, allow_remote=allow_remote)
         return self._mxrefit.info()
 
-    def mxrefit_receive(self, refits: int = 1) -> dict:
-        """Serve the trainer until ``refits`` refits ended (committed, aborted or failed)."""
+    def mxrefit_receive(self, refits: int | None = 1) -> dict:
+        """Serve the trainer until ``refits`` refits ended (committed, aborted or failed), or with
+        ``refits=None`` until the trainer says "shutdown" (``refit_while(..., until_shutdown=True)``)."""
         return self._require().receive(refits)
 
     def mxrefit_status(self) -> dict:
@@ -721,13 +750,30 @@ def _engine_classes():
     return MxrefitWeightTransferEngine, MxrefitTrainerEngine
 
 
-def refit_while(serve, sender, tensors, *, specs=None):
-    """Run ``sender.refit(tensors)`` while ``serve()`` (a blocking call that makes the engine
-    serve one refit, e.g. ``llm.collective_rpc("mxrefit_receive")``) runs in a thread.
+def refit_while(serve, sender, tensors, *, specs=None, until_shutdown: bool = False):
+    """Run ``sender.refit(tensors)`` while ``serve()`` — a blocking call that makes the engine
+    serve, e.g. ``llm.collective_rpc("mxrefit_receive")`` — runs in a thread.
 
-    The engine answers only while it serves, so a first refit plans here too (from ``specs``,
-    required for a stream). Returns the RefitReport; re-raises the first error of either side.
+    ``sender`` is a ``Sender`` or a ``BroadcastSender`` (anything with ``refit``, ``plan``,
+    ``plan_``, ``client`` and ``timeout_s``). The engine answers only while it serves, so a
+    first refit plans here too (from ``specs``, required for a stream). Returns the
+    RefitReport; re-raises the first error of either side.
+
+    How the serve ends:
+    - ``until_shutdown=False``: ``serve()`` serves one refit (``mxrefit_receive``'s default),
+      which ends it; a refit refused before it began (plan mismatch, NaN/Inf) is ended here
+      with a "shutdown", so the worker is free for the next RPC.
+    - ``until_shutdown=True``: ``serve()`` serves until the trainer says "shutdown"
+      (``collective_rpc("mxrefit_receive", kwargs={"refits": None})``), and this sends it after
+      every refit, complete or failed. Required for a ``BroadcastSender``: after a failure it
+      tells every rank to abort and reads each rank's state, which a rank whose one-refit serve
+      already ended could not answer.
     """
+    from mxrefit.broadcast import BroadcastSender
+
+    if isinstance(sender, BroadcastSender) and not until_shutdown:
+        raise ValueError("a BroadcastSender needs the engine ranks to keep serving after a failed refit: pass "
+                         "until_shutdown=True and serve with mxrefit_receive(refits=None)")
     errors: list[BaseException] = []
     result: list[Any] = []
 
@@ -737,6 +783,12 @@ def refit_while(serve, sender, tensors, *, specs=None):
         except BaseException as err:  # noqa: BLE001 - handed to the caller
             errors.append(err)
 
+    def end_serve(step: str) -> None:
+        try:
+            sender.client.request({"op": "shutdown"}, 10.0, step=step)
+        except Exception:  # noqa: BLE001 - the trainer's own error (or the serve's) is the one to report
+            pass
+
     thread = threading.Thread(target=run, name="mxrefit-serve", daemon=True)
     thread.start()
     try:
@@ -744,14 +796,14 @@ def refit_while(serve, sender, tensors, *, specs=None):
             sender.plan(specs)
         report = sender.refit(tensors)
     except BaseException:
-        # refused before "begin" (plan mismatch, NaN/Inf): the engine still serves; end that
-        # serve so the worker is free for the next RPC, and report the trainer's error
-        if thread.is_alive():
-            try:
-                sender.client.request({"op": "shutdown"}, 10.0, step="ending the engine's serve after a refused refit")
-            except Exception:  # noqa: BLE001 - the trainer's own error is the one to report
-                pass
+        # with one-refit serves: refused before "begin" (plan mismatch, NaN/Inf), the engine
+        # still serves; end that serve so the worker is free for the next RPC
+        if until_shutdown or thread.is_alive():
+            end_serve("ending the engine's serve after a refused refit")
         raise
+    else:
+        if until_shutdown:
+            end_serve("ending the engine's serve after the refit")
     finally:
         thread.join(sender.timeout_s + 30)
     if errors:
