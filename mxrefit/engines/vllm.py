@@ -38,11 +38,12 @@ vLLM 0.32's CPU build lacks, so dense MXFP8 models run on CPU.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -586,10 +587,57 @@ class _WorkerRefit:
         self.engine.pool.release()
 
 
+WORKER_ERROR = "mxrefit_error"
+
+
+class WorkerError(RuntimeError):
+    """A worker-extension method failed on some of several workers (named, with their errors)."""
+
+
+def _answers_on_every_worker(method):
+    """With several workers, a failure comes back as ``{WORKER_ERROR: "..."}`` instead of raising.
+
+    vLLM 0.32's multiprocess executor stops reading answers at the first worker that raised
+    (``collective_rpc`` in ``v1/executor/multiproc_executor.py``; vllm-project/vllm#49972), so
+    the other workers' answers stay queued and every later RPC reads a stale one. One worker
+    raising is harmless; ``worker_results`` turns the answers back into an error on the trainer.
+    """
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        if self.vllm_config.parallel_config.world_size == 1:
+            return method(self, *args, **kwargs)
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as err:  # noqa: BLE001 - answered, so every worker's queue stays in step
+            log.exception("mxrefit: %s failed on this worker", method.__name__)
+            return {WORKER_ERROR: f"{type(err).__name__}: {err}"}
+
+    return wrapper
+
+
+def worker_results(results: Sequence[Any]) -> list:
+    """``collective_rpc``'s answers of a worker-extension method, or WorkerError naming every
+    worker on which it failed."""
+    failed = [f"worker {i}: {r[WORKER_ERROR]}" for i, r in enumerate(results) if isinstance(r, dict) and WORKER_ERROR in r]
+    if failed:
+        raise WorkerError("; ".join(failed))
+    return list(results)
+
+
+def rank_endpoints(infos: Sequence[dict]) -> list[tuple[str, bytes]]:
+    """Every worker's (address, token) from ``collective_rpc("mxrefit_init")``, in worker order:
+    the ``engines`` argument of ``BroadcastSender``."""
+    return [(i["address"], bytes.fromhex(i["token"])) for i in worker_results(infos)]
+
+
 class RefitWorkerExtension:
     """Mixed into vLLM's worker via ``worker_extension_cls``; call methods by name with
-    ``llm.collective_rpc("mxrefit_init", kwargs=...)`` etc. Plain data in and out."""
+    ``llm.collective_rpc("mxrefit_init", kwargs=...)`` etc. Plain data in and out. With several
+    workers (tensor parallel) a method that fails answers ``{WORKER_ERROR: why}`` on that worker
+    rather than raising (``worker_results`` raises it on the trainer's side)."""
 
+    @_answers_on_every_worker
     def mxrefit_init(self, address: str | None = None, token_hex: str | None = None, experts: str = "per_expert",
                      timeout_s: float = 120.0, tcp: bool = False, fp8_block: str = "fp8-block",
                      allow_remote: bool = False) -> dict:
@@ -607,18 +655,22 @@ class RefitWorkerExtension:
                                      fp8_block=fp8_block, allow_remote=allow_remote)
         return self._mxrefit.info()
 
+    @_answers_on_every_worker
     def mxrefit_receive(self, refits: int | None = 1) -> dict:
         """Serve the trainer until ``refits`` refits ended (committed, aborted or failed), or with
         ``refits=None`` until the trainer says "shutdown" (``refit_while(..., until_shutdown=True)``)."""
         return self._require().receive(refits)
 
+    @_answers_on_every_worker
     def mxrefit_status(self) -> dict:
         return self._require().info()
 
+    @_answers_on_every_worker
     def mxrefit_kernel_state(self, names: list[str] | None = None) -> dict:
         """{param: {sha256, shape, dtype}} of the live model as its kernels read it."""
         return self._require().engine.kernel_state(names)
 
+    @_answers_on_every_worker
     def mxrefit_close(self) -> None:
         if getattr(self, "_mxrefit", None) is not None:
             self._mxrefit.close()
@@ -665,10 +717,17 @@ def _engine_classes():
 
             self.shutdown()
             if self.vllm_config.parallel_config.tensor_parallel_size > 1:
-                raise VllmSetupError(
-                    "the 'mxrefit' weight-transfer backend serves one worker at the one address the trainer "
-                    "chose; with tensor parallel size > 1 use the worker extension (RefitWorkerExtension: "
-                    "mxrefit_init on every worker) and mxrefit.broadcast.BroadcastSender")
+                # refused by the last worker alone: vLLM 0.32 reads the workers' answers in order and
+                # stops at the first failure (see _answers_on_every_worker), so every answer is read
+                from vllm.distributed.parallel_state import get_world_group
+
+                world = get_world_group()
+                if world.rank_in_group == world.world_size - 1:
+                    raise VllmSetupError(
+                        "the 'mxrefit' weight-transfer backend serves one worker at the one address the trainer "
+                        "chose; with tensor parallel size > 1 use the worker extension (RefitWorkerExtension: "
+                        "mxrefit_init on every worker) and mxrefit.broadcast.BroadcastSender")
+                return
             engine = VllmEngine(self.model, self.vllm_config, self.device, experts=init_info.experts,
                                 fp8_block=init_info.fp8_block)
             self.receiver = Receiver(engine, address=init_info.address, token=bytes.fromhex(init_info.token_hex),
@@ -757,7 +816,8 @@ def refit_while(serve, sender, tensors, *, specs=None, until_shutdown: bool = Fa
     ``sender`` is a ``Sender`` or a ``BroadcastSender`` (anything with ``refit``, ``plan``,
     ``plan_``, ``client`` and ``timeout_s``). The engine answers only while it serves, so a
     first refit plans here too (from ``specs``, required for a stream). Returns the
-    RefitReport; re-raises the first error of either side.
+    RefitReport; re-raises the first error of either side (a ``WorkerError`` when ``serve()``
+    returned the answers of workers that failed, see ``worker_results``).
 
     How the serve ends:
     - ``until_shutdown=False``: ``serve()`` serves one refit (``mxrefit_receive``'s default),
@@ -810,6 +870,8 @@ def refit_while(serve, sender, tensors, *, specs=None, until_shutdown: bool = Fa
         raise errors[0]
     if thread.is_alive():
         raise RuntimeError("the engine did not return from serving the refit")
+    if result and isinstance(result[0], (list, tuple)):
+        worker_results(result[0])
     return report
 
 
