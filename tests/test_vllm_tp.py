@@ -113,8 +113,8 @@ def _narrow(whole: torch.Tensor, shard: Shard | None) -> torch.Tensor:
     return torch.cat([whole.narrow(shard.dim, a, b - a) for a, b, _ in pieces], shard.dim)
 
 
-def _kernel_mismatches(llm, trainer, sender: BroadcastSender, *, mxfp8: bool, repacked: str | None = None
-                       ) -> tuple[list[str], int]:
+def _kernel_mismatches(llm, trainer, sender: BroadcastSender, *, mxfp8: bool, repacked: str | None = None,
+                       expert_parallel: bool = False) -> tuple[list[str], int]:
     """(params whose kernel bytes differ from the rank's slice of the trainer's, params compared).
 
     A kernel param is compared where vLLM serves it in the checkpoint's shape: BF16 params as
@@ -135,7 +135,7 @@ def _kernel_mismatches(llm, trainer, sender: BroadcastSender, *, mxfp8: bool, re
         expected[name] = t if scale is None else dequant_mxfp8_to_bf16(t, scale)
     bad, compared = [], 0
     for rank, kernel in enumerate(llm.collective_rpc("mxrefit_kernel_state")):
-        shards = vllm_shards(shape, mxfp8=mxfp8, tp_rank=rank, tp_size=TP)
+        shards = vllm_shards(shape, mxfp8=mxfp8, tp_rank=rank, tp_size=TP, expert_parallel=expert_parallel)
         for name, t in expected.items():
             if repacked is not None and repacked in name:
                 continue
@@ -246,6 +246,42 @@ def test_tp2_worker_errors_are_answered_by_every_worker_and_name_them(tp_moe_eng
         llm.init_weight_transfer_engine({"init_info": {"address": "ipc:///tmp/x.sock", "token_hex": "00" * 32}})
     assert len(worker_results(llm.collective_rpc("mxrefit_init"))) == TP
     llm.collective_rpc("mxrefit_close")
+
+
+# ---- Qwen3-MoE at TP=2 with expert parallelism ---------------------------------------------
+@pytest.fixture(scope="module")
+def tp_ep_engine(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("moe_tp2_ep"))
+    vm.qwen3_moe(seed=0).save_pretrained(path)
+    llm = _start_tp_llm(path, enable_expert_parallel=True)
+    yield llm
+    vm.stop_llm(llm)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_tp2_expert_parallel_ranks_hold_whole_experts_and_receive_their_bytes(tp_ep_engine):
+    """vLLM 0.32's CPU build crashes (SIGSEGV in a worker) at the first generate with expert
+    parallelism, refitted or not, so here EP is checked up to the bytes: each rank's tables and
+    slices match its live params (whole experts [r E/2, (r+1) E/2)), and a refit lands the
+    trainer's bytes in every checkpoint-layout kernel param and moves none on a repeat."""
+    llm = tp_ep_engine
+    sender = _connect(llm, "grouped")
+    try:
+        kernel = llm.collective_rpc("mxrefit_kernel_state")
+        assert all(k["model.layers.0.mlp.experts.routed_experts.w13_weight"]["shape"] == [4, 128, 128] for k in kernel)
+        trainer = vm.qwen3_moe(seed=2)
+        for step in range(2):
+            vm.train_steps(trainer, 4, seed=40 + step)
+            assert refit_while(_serve(llm), sender, _weights(trainer), until_shutdown=True).version == step + 1
+            bad, compared = _kernel_mismatches(llm, trainer, sender, mxfp8=False, repacked="routed_experts",
+                                               expert_parallel=True)
+            assert bad == [] and compared == TP * (3 + 2 * 7), (bad, compared)
+        before = llm.collective_rpc("mxrefit_kernel_state")
+        refit_while(_serve(llm), sender, _weights(trainer), until_shutdown=True)
+        assert llm.collective_rpc("mxrefit_kernel_state") == before
+    finally:
+        sender.close()
 
 
 # ---- dense MXFP8 Qwen3 at TP=2 -------------------------------------------------------------
