@@ -31,7 +31,9 @@ Plugging in:
   ``update_weights`` / ``finish_weight_update``. ``register()`` is the ``vllm.general_plugins``
   entry point, so vLLM's processes know the backend without extra imports.
 - ``worker_extension_cls="mxrefit.engines.vllm.RefitWorkerExtension"`` with
-  ``collective_rpc("mxrefit_init" | "mxrefit_receive" | ...)``, methods by name.
+  ``collective_rpc("mxrefit_init" | "mxrefit_receive" | ...)``, methods by name. With tensor
+  parallel size > 1 every worker is one rank of ``mxrefit.broadcast.BroadcastSender``
+  (``rank_endpoints``, ``refit_while(..., until_shutdown=True)``; docs/vllm.md §3).
 Importing this module on a CPU build registers vLLM's MXFP8 emulation linear kernel, which
 vLLM 0.32's CPU build lacks, so dense MXFP8 models run on CPU.
 """
