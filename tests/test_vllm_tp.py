@@ -343,6 +343,18 @@ def test_a_rank_whose_slices_are_not_the_tables_is_named_per_param():
     assert any("qkv_proj" in p for p in problems) and any("embed_tokens" in p for p in problems)
 
 
+def test_a_block_fp8_rank_is_refused_by_format():
+    """FP8-block scale tiles span 128 rows, so a rank cannot hold slices of them."""
+    shape = ModelShape.from_hf_config(vm.qwen3_dense(seed=0).config)
+    live = _rank_live(shape, 0)
+    qkv = "model.layers.0.self_attn.qkv_proj.weight"
+    live[qkv] = (live[qkv][0], torch.float8_e4m3fn, "QKVParallelLinear")
+    live[f"{qkv}_scale_inv"] = ((1, 1), torch.float32, "QKVParallelLinear")
+    *_, problems = _sharded_tables(shape, live, "per_expert", TensorParallelRank(0, TP))
+    assert problems == [f"{shape.name}: the rank holds fp8-block weights, whose tensor-parallel slices are not "
+                        "modelled (only bf16 and mxfp8 weights can be held in slices)"]
+
+
 def test_parallel_layouts_that_are_not_modelled_are_refused():
     from vllm.config import ParallelConfig
 
