@@ -25,20 +25,28 @@ def supported(device: torch.device) -> bool:
 
 @triton.jit
 def _scan_kernel(prog_tensor, prog_start, numel_of, src_addr, caller_index, flag,
-                 EXP_MASK: tl.constexpr, WORD_BITS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                 EXP_MASK: tl.constexpr, WORD_BITS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                 ALIGNED: tl.constexpr):
     pid = tl.program_id(0)
     t = tl.load(prog_tensor + pid)
-    start = tl.load(prog_start + pid).to(tl.int64)
+    start = tl.multiple_of(tl.load(prog_start + pid).to(tl.int64), CHUNK)
     n = tl.load(numel_of + t)
     if WORD_BITS == 16:
         src = tl.load(src_addr + t).to(tl.pointer_type(tl.int16))
     else:
         src = tl.load(src_addr + t).to(tl.pointer_type(tl.int32))
+    if ALIGNED:  # a tabled address carries no alignment: say it, or every load is scalar
+        src = tl.multiple_of(src, 16)
     hits = tl.zeros([BLOCK], dtype=tl.int32)
-    for i in range(0, CHUNK, BLOCK):
-        offs = start + i + tl.arange(0, BLOCK)
-        words = tl.load(src + offs, mask=offs < n, other=0).to(tl.int32)
-        hits = hits | ((words & EXP_MASK) == EXP_MASK).to(tl.int32)
+    if start + CHUNK <= n:  # whole chunk: no mask, so the loads vectorize
+        for i in range(0, CHUNK, BLOCK):
+            words = tl.load(src + start + i + tl.arange(0, BLOCK)).to(tl.int32)
+            hits = hits | ((words & EXP_MASK) == EXP_MASK).to(tl.int32)
+    else:
+        for i in range(0, CHUNK, BLOCK):
+            offs = start + i + tl.arange(0, BLOCK)
+            words = tl.load(src + offs, mask=offs < n, other=0).to(tl.int32)
+            hits = hits | ((words & EXP_MASK) == EXP_MASK).to(tl.int32)
     any_hit = tl.max(hits, axis=0)
     tl.atomic_min(flag, tl.load(caller_index + t), mask=any_hit > 0)
 
@@ -66,6 +74,7 @@ class ScanGroup:
         self.caller_index = torch.zeros(len(numels), dtype=torch.int32, device=device)
         self._last_src: list[int] = []
         self._last_index: list[int] = []
+        self._aligned = False
         self.programs = len(prog_tensor)
 
     def __call__(self, tensors: list[torch.Tensor], flag: torch.Tensor, caller_index: list[int]) -> None:
@@ -76,6 +85,7 @@ class ScanGroup:
                     raise ValueError(f"finite check needs contiguous {self.dtype} tensors, got {t.dtype} strides {t.stride()}")
             self.src_addr.copy_(torch.tensor(addrs, dtype=torch.int64))
             self._last_src = addrs
+            self._aligned = all(a % 16 == 0 for a in addrs)
         if caller_index != self._last_index:
             self.caller_index.copy_(torch.tensor(caller_index, dtype=torch.int32))
             self._last_index = list(caller_index)
@@ -84,5 +94,5 @@ class ScanGroup:
         _scan_kernel[(self.programs,)](
             self.prog_tensor, self.prog_start, self.numel_of, self.src_addr, self.caller_index, flag,
             EXP_MASK=_EXP_MASK[self.dtype], WORD_BITS=self.dtype.itemsize * 8, CHUNK=CHUNK, BLOCK=self.block,
-            num_warps=4,
+            ALIGNED=self._aligned, num_warps=4,
         )

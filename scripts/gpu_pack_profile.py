@@ -1,5 +1,6 @@
-"""Where the trainer's packing time goes on a GPU: the grouped MXFP8 launch over per-expert
-tensors vs the same bytes as one slab, the finite screen, and a plain copy, in one run.
+"""Where a refit's GPU time goes: the grouped MXFP8 launch over per-expert tensors (launch
+shapes, with and without alignment hints) vs the same bytes as one slab, the finite screen, a
+plain copy, and the engine's TRT-LLM layout kernels on one Qwen3-30B-A3B layer, in one run.
 
     PYTHONPATH=$PWD python3 scripts/gpu_pack_profile.py --json $OUT/pack_profile.json
 """
@@ -30,6 +31,35 @@ def timed(fn, reps: int = 7) -> float:
     return statistics.median(times)
 
 
+def trtllm_rows(dev: torch.device) -> dict:
+    """The TRT-LLM layout kernels on one Qwen3-30B-A3B layer's experts against a copy of the same bytes."""
+    from mxrefit.engines import _trtllm_triton as lay
+    from mxrefit.engines.trtllm import interleaved_size, moe_row_permutation
+
+    rows = {}
+    for name, (e, m, kk, gated) in {"w13": (128, 1536, 2048, True), "w2": (128, 2048, 768, False)}.items():
+        perm = moe_row_permutation(m, gated).to(dev)
+        src = torch.randint(0, 255, (e, m, kk), dtype=torch.uint8, device=dev)
+        dst = torch.empty_like(src)
+        moved = 2 * src.numel()
+        rows[f"copy_{name}_values"] = {"s": (s := timed(lambda: dst.copy_(src))), "GBps": moved / s / 1e9}
+        for r in (2, 4, 8, 16):
+            for block in (128, 256):
+                for warps in (4, 8):
+                    s = timed(lambda: lay.row_gather(src, dst, perm, rows=r, block=block, num_warps=warps))
+                    rows[f"row_gather_{name}_r{r}_b{block}_w{warps}"] = {"s": s, "GBps": moved / s / 1e9}
+        c = kk // 32
+        ssrc = torch.randint(0, 255, (e, m, c), dtype=torch.uint8, device=dev)
+        per = interleaved_size(m, c)
+        sdst = torch.zeros(e * per, dtype=torch.uint8, device=dev)
+        smoved = ssrc.numel() + sdst.numel()
+        for r in (16, 32, 64):
+            for warps in (4, 8):
+                s = timed(lambda: lay.scale_interleave(ssrc, sdst, perm, per, rows=r, num_warps=warps))
+                rows[f"scale_interleave_{name}_r{r}_w{warps}"] = {"s": s, "GBps": smoved / s / 1e9}
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=4)
@@ -51,9 +81,13 @@ def main() -> None:
     rows = {}
     traffic = nbytes + vals.numel() + scls.numel()
     for nb in (64, 128, 256, 512):
-        group = k.QuantizeGroup(srcs, outs, device=dev, blocks_per_program=nb)
-        s = timed(lambda: group(srcs, 0, bad))
-        rows[f"group_nb{nb}"] = {"s": s, "GBps": traffic / s / 1e9}
+        for warps in (4, 8):
+            group = k.QuantizeGroup(srcs, outs, device=dev, blocks_per_program=nb, num_warps=warps)
+            for aligned in (True, False):
+                group(srcs, 0, bad)
+                group._aligned = aligned
+                s = timed(lambda: group(srcs, 0, bad))
+                rows[f"group_nb{nb}_w{warps}_{'aligned' if aligned else 'unhinted'}"] = {"s": s, "GBps": traffic / s / 1e9}
     slab = torch.randn(len(srcs) * i_ * h, device=dev, dtype=torch.bfloat16).view(-1, h)
     sv = torch.empty(slab.shape, dtype=torch.float8_e4m3fn, device=dev)
     ss = torch.empty(slab.shape[0], h // 32, dtype=torch.uint8, device=dev)
@@ -68,6 +102,7 @@ def main() -> None:
     b = torch.empty_like(a)
     s = timed(lambda: b.copy_(a))
     rows["copy_same_traffic"] = {"s": s, "GBps": traffic / s / 1e9}
+    rows.update(trtllm_rows(dev))
     out = {"tensors": len(srcs), "bf16_bytes": nbytes, "traffic_bytes": traffic, "rows": rows}
     print(json.dumps(out, indent=1))
     with open(args.json, "w") as f:

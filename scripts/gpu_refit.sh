@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # H200 run for the refit path, through the device tool with .whl/ (pyzmq) carried.
-#   PART=tests|30b|more|fp8   (default: all, which needs more than one 10-minute call)
+#   PART=tests|profile|30b|more|fp8, or several joined by commas (default: all, which needs more than one
+#   10-minute call)
+# profile: scripts/gpu_pack_profile.py (kernel launch shapes of the packing, the finite screen, TRT-LLM layouts)
 # tests: CUDA-only tests (IPC buffers, direct writes, finite-check kernel) + the tiny model bench
 # 30b:   qwen3-30b-a3b exact shapes, baseline vs prequant (direct) vs prequant-buffers, TRT-LLM post-process
 # more:  qwen3-32b and qwen3-235b-a22b-ep8 (baseline vs prequant), and a layer sweep of qwen3-30b-a3b
@@ -10,23 +12,27 @@ set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 export PYTHONUNBUFFERED=1
 PART=${PART:-all}
+has() { [[ $PART == all || ",$PART," == *",$1,"* ]]; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 bench() { python3 -m mxrefit bench --device cuda --no-progress "$@"; }
-if [[ $PART == all || $PART == tests ]]; then
+if has tests; then
   python3 -m pytest -q -p no:cacheprovider tests/test_buffers.py tests/test_direct.py tests/test_finite_check.py -k cuda 2>&1 | tail -5
   bench --steps 5 --mode all --json $OUT/bench_tiny_cuda.json
 fi
-if [[ $PART == all || $PART == 30b ]]; then
+if has profile; then
+  python3 scripts/gpu_pack_profile.py --json $OUT/pack_profile.json | tail -80
+fi
+if has 30b; then
   bench --model qwen3-30b-a3b --steps ${STEPS:-3} --bucket-mb ${BUCKET_MB:-512} --mode all --json $OUT/bench_30b.json --plot $OUT/bench_30b.png
 fi
-if [[ $PART == all || $PART == fp8 ]]; then
+if has fp8; then
   bench --model qwen3-30b-a3b --format fp8-block --steps ${STEPS:-3} --bucket-mb ${BUCKET_MB:-512} --mode all \
     --json $OUT/bench_30b_fp8_block.json --plot $OUT/bench_30b_fp8_block.png
   bench --model qwen3-30b-a3b --format mxfp8 --post none --steps ${STEPS:-3} --bucket-mb ${BUCKET_MB:-512} --mode prequant \
     --json $OUT/bench_30b_mxfp8_nopost.json
 fi
-if [[ $PART == all || $PART == more ]]; then
+if has more; then
   bench --model qwen3-32b --steps 3 --json $OUT/bench_32b.json --plot $OUT/bench_32b.png
   bench --model qwen3-235b-a22b-ep8 --steps 3 --json $OUT/bench_235b_ep8.json --plot $OUT/bench_235b_ep8.png
   for L in 6 12 24; do

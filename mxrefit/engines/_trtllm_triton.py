@@ -52,20 +52,20 @@ def _scale_interleave(src, dst, perm, M, C, OUT_PER_E, CP4, N_ROWS, HAS_PERM: tl
     tl.store(dst + e[:, None] * OUT_PER_E + off, b, mask=mask)
 
 
-def row_gather(src: torch.Tensor, dst: torch.Tensor, perm: torch.Tensor) -> None:
+def row_gather(src: torch.Tensor, dst: torch.Tensor, perm: torch.Tensor, *, rows: int = 4, block: int = 256,
+               num_warps: int = 4) -> None:
     """``src``/``dst``: contiguous uint8 [E, M, K] with K % 8 == 0; ``perm``: int32/int64 [M]."""
     e, m, k = src.shape
-    rows = 4
     grid = (triton.cdiv(e * m, rows),)
-    _row_gather[grid](src.view(torch.int64), dst.view(torch.int64), perm, m, k // 8, e * m, ROWS=rows, BLOCK=256,
-                      num_warps=4)
+    _row_gather[grid](src.view(torch.int64), dst.view(torch.int64), perm, m, k // 8, e * m, ROWS=rows, BLOCK=block,
+                      num_warps=num_warps)
 
 
-def scale_interleave(src: torch.Tensor, dst: torch.Tensor, perm: torch.Tensor | None, out_per_expert: int) -> None:
+def scale_interleave(src: torch.Tensor, dst: torch.Tensor, perm: torch.Tensor | None, out_per_expert: int, *,
+                     rows: int = 16, num_warps: int = 4) -> None:
     """``src``: contiguous uint8 [E, M, C]; ``dst``: flat uint8 (E * out_per_expert), padding pre-zeroed."""
     e, m, c = src.shape
-    rows = 16
     grid = (triton.cdiv(e * m, rows),)
     cp4 = -(-c // 4)
     _scale_interleave[grid](src, dst, perm if perm is not None else src, m, c, out_per_expert, cp4, e * m,
-                            HAS_PERM=perm is not None, ROWS=rows, CB=triton.next_power_of_2(c), num_warps=4)
+                            HAS_PERM=perm is not None, ROWS=rows, CB=triton.next_power_of_2(c), num_warps=num_warps)

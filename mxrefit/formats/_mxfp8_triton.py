@@ -142,11 +142,13 @@ class QuantizeGroup:
         *,
         device: torch.device | None = None,
         blocks_per_program: int = 128,
+        num_warps: int = 4,
     ):
         """``sources`` give shapes and dtype only (meta tensors will do); ``outs`` are the destinations."""
         self.device = device if device is not None else outs[0][0].device
         self.is_bf16 = sources[0].dtype == torch.bfloat16
         self.nb = blocks_per_program
+        self.num_warps = num_warps
         n_blocks = [s.numel() // 32 for s in sources]
         self.table = LaunchTable(n_blocks, self.nb, outs, self.device, "MXFP8")
         self.n_blocks_of = self.table.ints(n_blocks, torch.int64)
@@ -163,5 +165,5 @@ class QuantizeGroup:
         _group_kernel[(table.programs,)](
             table.prog_tensor, table.prog_unit, self.n_blocks_of, table.src_addr, values_addr, scales_addr, bad,
             MIN_BYTE=min_byte, NB=self.nb, INT_ROUND=interpreting() if int_round is None else int_round,
-            IS_BF16=self.is_bf16, ALIGNED=self._aligned, num_warps=4,
+            IS_BF16=self.is_bf16, ALIGNED=self._aligned, num_warps=self.num_warps,
         )
