@@ -169,12 +169,11 @@ def serve_rollouts(conn, path: str, fmt: str, device: str) -> None:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    from mxrefit.devices import bind
     from mxrefit.receiver import Receiver
 
     hf_logging.disable_progress_bar()
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
+    dev = bind(device)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(dev).eval()
     receiver = Receiver(_rollout_engine_class()(model, mxfp8=fmt == "mxfp8"), timeout_s=120)
     conn.send_bytes(msgpack.packb({"address": receiver.address, "token": receiver.token}))

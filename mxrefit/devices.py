@@ -14,3 +14,12 @@ def resolve(device: torch.device | str) -> torch.device:
     if dev.type == "cuda" and dev.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return dev
+
+
+def bind(device: torch.device | str) -> torch.device:
+    """Resolve ``device`` and make it this thread's current CUDA device (``set_device`` wants an index)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        dev = torch.device("cuda", 0 if dev.index is None else dev.index)
+        torch.cuda.set_device(dev)
+    return dev

@@ -42,10 +42,10 @@ def _engine_main(conn, shape: ModelShape, mxfp8: bool, device: str, tp: tuple[in
     """One engine rank: serve refits until shutdown, then join the plain-broadcast group and time it."""
     from mxrefit.engines.layout import LayoutEngine
     from mxrefit.receiver import Receiver
+    from mxrefit.devices import bind
     from mxrefit.transport.broadcast import open_broadcast
 
-    if device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))
+    bind(device)
     shards = vllm_shards(shape, mxfp8=mxfp8, tp_rank=tp[0], tp_size=tp[1])
     engine = LayoutEngine(vllm_params(shape, mxfp8=mxfp8), vllm_destinations(shape, mxfp8=mxfp8, experts=experts),
                           device, shards=shards)

@@ -90,11 +90,10 @@ def engine_main(conn, probe_conn, model: str, device: str, timeout_s: float) -> 
     from mxrefit.engines.layout import LayoutEngine
     from mxrefit.engines.vllm_layout import vllm_destinations, vllm_params
     from mxrefit.receiver import Receiver
+    from mxrefit.devices import bind
     from mxrefit.shapes import BUILTIN
 
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
+    dev = bind(device)
     shape = BUILTIN[model]
     engine = LayoutEngine(vllm_params(shape, mxfp8=True), vllm_destinations(shape, mxfp8=True), dev)
     receiver = Receiver(engine, timeout_s=timeout_s)
@@ -138,11 +137,10 @@ def trainer_run(model: str, device: str, refits: int, bucket_mb: int, transport:
     from mxrefit.engines.vllm_layout import vllm_destinations
     from mxrefit.plan import SourceSpec
     from mxrefit.sender import Sender
+    from mxrefit.devices import bind
     from mxrefit.shapes import BUILTIN, hf_tensor_specs
 
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
+    dev = bind(device)
     shape = BUILTIN[model]
     specs = [SourceSpec(n, tuple(s), dt) for n, s, dt in hf_tensor_specs(shape)]
     weights = make_weights(specs, dev)

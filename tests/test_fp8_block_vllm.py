@@ -12,7 +12,6 @@ those of transformers running the dequantized weights. A second child builds Qwe
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -22,11 +21,9 @@ import tempfile
 import pytest
 import torch
 
+import vllm_models as vm
+
 PROMPT = [1, 2, 3, 4]
-
-
-def _sha(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def _write_checkpoint(path: str) -> dict[str, str]:
@@ -54,11 +51,11 @@ def _write_checkpoint(path: str) -> dict[str, str]:
     raw["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
     with open(os.path.join(path, "fp8", "config.json"), "w") as f:
         json.dump(raw, f)
-    return {n: _sha(t) for n, t in tensors.items()}
+    return {n: vm.sha256_of(t) for n, t in tensors.items()}
 
 
 def _engine_params(worker) -> list:
-    return [[n, list(p.shape), str(p.dtype), _sha(p.data)] for n, p in worker.model_runner.model.named_parameters()]
+    return [[n, list(p.shape), str(p.dtype), vm.sha256_of(p.data)] for n, p in worker.model_runner.model.named_parameters()]
 
 
 def _child(out_path: str) -> None:
@@ -99,7 +96,7 @@ def _child(out_path: str) -> None:
         for fused, parts in (("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")), ("mlp.gate_up_proj", ("gate_proj", "up_proj"))):
             for suffix in ("weight", "weight_scale_inv"):
                 prefix = p + "." + fused.split(".")[0]
-                expected_fused[f"{p}.{fused}.{suffix}"] = _sha(torch.cat([ckpt[f"{prefix}.{part}.{suffix}"] for part in parts]))
+                expected_fused[f"{p}.{fused}.{suffix}"] = vm.sha256_of(torch.cat([ckpt[f"{prefix}.{part}.{suffix}"] for part in parts]))
     with open(out_path, "w") as f:
         json.dump({"logprob_pairs": pairs, "params": params,
                    "sent": sent, "fused": expected_fused}, f)

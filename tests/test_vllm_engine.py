@@ -8,7 +8,6 @@ tolerance, and the refit must have changed what vLLM generates.
 
 from __future__ import annotations
 
-import hashlib
 import os
 
 import pytest
@@ -22,24 +21,6 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from mxrefit.engines.vllm import LLMClient, VllmSetupError, check_vllm_version, refit_while  # noqa: E402
 from mxrefit.sender import Sender  # noqa: E402
-
-LOGPROB_ATOL = 0.08  # BF16 end to end through two different kernel stacks
-
-
-def _sha(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
-def _refit(llm, sender, model):
-    weights = {n: p.detach() for n, p in model.named_parameters()}
-    return refit_while(lambda: llm.collective_rpc("mxrefit_receive"), sender, weights)
-
-
-def _assert_matches(llm, reference):
-    assert vm.vllm_greedy(llm) == vm.hf_greedy(reference)
-    got, want = vm.vllm_prompt_logprobs(llm), vm.hf_prompt_logprobs(reference)
-    worst = max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g, w))
-    assert worst < LOGPROB_ATOL, f"prompt logprobs differ by up to {worst:.3f}"
 
 
 @pytest.fixture(scope="module")
@@ -62,15 +43,15 @@ def test_moe_refits_follow_real_training_and_are_idempotent(moe_engine):
         previous = vm.vllm_greedy(llm)
         for step in range(3):
             vm.train_steps(trainer, 8, seed=step)
-            report = _refit(llm, sender, trainer)
+            report = vm.refit(llm, sender, trainer)
             assert report.version == step + 1 and report.transport == "direct"
             now = vm.vllm_greedy(llm)
             assert now != previous, f"refit {step + 1} did not change vLLM's outputs"
-            _assert_matches(llm, trainer)
+            vm.assert_matches(llm, trainer)
             previous = now
         # an identical refit re-runs vLLM's post-load processing: the kernel bytes must not move
         before = llm.collective_rpc("mxrefit_kernel_state")[0]
-        _refit(llm, sender, trainer)
+        vm.refit(llm, sender, trainer)
         assert llm.collective_rpc("mxrefit_kernel_state")[0] == before
         assert llm.collective_rpc("mxrefit_status")[0]["version"] == 4
     finally:
@@ -97,7 +78,7 @@ def test_per_expert_trainer_names_land_identically(moe_engine, tmp_path):
             sender.close()
         kernel.append(llm.collective_rpc("mxrefit_kernel_state")[0])
     assert kernel[0] == kernel[1]
-    _assert_matches(llm, trainer)
+    vm.assert_matches(llm, trainer)
 
 
 def test_prequantization_asked_of_a_bf16_engine_is_refused_naming_the_layers(moe_engine):
@@ -110,7 +91,7 @@ def test_prequantization_asked_of_a_bf16_engine_is_refused_naming_the_layers(moe
     sender = Sender(info["address"], bytes.fromhex(info["token"]), rules=QuantRules())
     try:
         with pytest.raises(PlanMismatch, match=r"layers\.0\.self_attn\.q_proj.*rules quantize it.*bf16"):
-            _refit(llm, sender, vm.qwen3_moe(seed=7))
+            vm.refit(llm, sender, vm.qwen3_moe(seed=7))
         assert llm.collective_rpc("mxrefit_status")[0]["state"] == "ready"
     finally:
         sender.close()
@@ -123,7 +104,7 @@ def test_a_trainer_in_the_wrong_expert_layout_is_told_so(moe_engine):
     trainer = vm.qwen3_moe(seed=6)
     try:
         with pytest.raises(Exception, match="expert layout"):
-            _refit(llm, sender, trainer)
+            vm.refit(llm, sender, trainer)
         assert llm.collective_rpc("mxrefit_status")[0]["state"] == "ready"  # the worker is free again
     finally:
         sender.close()
@@ -165,7 +146,7 @@ def test_mxfp8_refit_through_vllms_weight_transfer_api(mxfp8_engine):
             assert engine.last_report.version == step + 1 and engine.last_report.buckets > 1
             now = vm.vllm_greedy(llm)
             assert now != previous
-            _assert_matches(llm, vm.dequantized_copy(trainer))
+            vm.assert_matches(llm, vm.dequantized_copy(trainer))
             previous = now
     finally:
         engine.shutdown()
@@ -184,12 +165,12 @@ def test_mxfp8_refit_through_vllms_weight_transfer_api(mxfp8_engine):
         for module, parts in fused.items():
             values, scales = mxfp8.quantize(torch.cat([t.detach() for t in parts]), backend="torch")
             expected = dequant_mxfp8_to_bf16(values, scales)
-            assert kernel[f"{p}.{module}.weight"]["sha256"] == _sha(expected), f"{p}.{module}"
+            assert kernel[f"{p}.{module}.weight"]["sha256"] == vm.sha256_of(expected), f"{p}.{module}"
             # and within MXFP8's error of the trainer's weight (per family)
             ref = torch.cat([t.detach() for t in parts]).float()
             rel = ((expected.float() - ref).norm() / ref.norm()).item()
             assert rel < 0.05, f"{p}.{module}: relative error {rel:.4f}"
-    assert kernel["lm_head.weight"]["sha256"] == _sha(w["lm_head.weight"])
+    assert kernel["lm_head.weight"]["sha256"] == vm.sha256_of(w["lm_head.weight"])
 
 
 @pytest.fixture(scope="module")
@@ -210,8 +191,8 @@ def test_an_unknown_architecture_takes_vllms_loader_and_is_still_correct(fallbac
     try:
         for step in range(2):
             vm.train_steps(trainer, 8, seed=20 + step)
-            _refit(llm, sender, trainer)
-            _assert_matches(llm, trainer)
+            vm.refit(llm, sender, trainer)
+            vm.assert_matches(llm, trainer)
     finally:
         sender.close()
 

@@ -15,7 +15,6 @@ FP8-block round-tripped weights, and its live values and scales must equal
 
 from __future__ import annotations
 
-import hashlib
 import os
 
 import pytest
@@ -29,28 +28,10 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from mxrefit.checkpoint import save_fp8_block_checkpoint  # noqa: E402
 from mxrefit.eligibility import QuantRules  # noqa: E402
-from mxrefit.engines.vllm import refit_while  # noqa: E402
 from mxrefit.formats import fp8_block  # noqa: E402
 from mxrefit.sender import Sender  # noqa: E402
 
 EXTENSION = "fp8_block_emulation.EmulatedFp8BlockRefitExtension"
-LOGPROB_ATOL = 0.08  # BF16 end to end through two different kernel stacks (as tests/test_vllm_engine.py)
-
-
-def _sha(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
-def _refit(llm, sender, model):
-    weights = {n: p.detach() for n, p in model.named_parameters()}
-    return refit_while(lambda: llm.collective_rpc("mxrefit_receive"), sender, weights)
-
-
-def _assert_matches(llm, reference):
-    assert vm.vllm_greedy(llm) == vm.hf_greedy(reference)
-    got, want = vm.vllm_prompt_logprobs(llm), vm.hf_prompt_logprobs(reference)
-    worst = max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g, w))
-    assert worst < LOGPROB_ATOL, f"prompt logprobs differ by up to {worst:.3f}"
 
 
 def _assert_live_bytes(llm, trainer, use_ue8m0: bool) -> None:
@@ -72,12 +53,12 @@ def _assert_live_bytes(llm, trainer, use_ue8m0: bool) -> None:
             live_w, live_s = kernel[f"{p}.{module}.weight"], kernel[f"{p}.{module}.weight_scale_inv"]
             assert (live_w["dtype"], live_s["dtype"]) == ("torch.float8_e4m3fn", "torch.float32")
             assert live_s["shape"] == list(scales.shape)
-            assert live_w["sha256"] == _sha(values), f"{p}.{module}.weight"
-            assert live_s["sha256"] == _sha(scales), f"{p}.{module}.weight_scale_inv"
+            assert live_w["sha256"] == vm.sha256_of(values), f"{p}.{module}.weight"
+            assert live_s["sha256"] == vm.sha256_of(scales), f"{p}.{module}.weight_scale_inv"
             checked |= set(parts)
     for name, t in w.items():
         if name not in checked:
-            assert kernel[name]["sha256"] == _sha(t), name
+            assert kernel[name]["sha256"] == vm.sha256_of(t), name
     assert len(checked) == 14
 
 
@@ -103,17 +84,17 @@ def test_fp8_block_refits_follow_real_training(fp8_engine):
         previous = vm.vllm_greedy(llm)
         for step in range(3):
             vm.train_steps(trainer, 8, seed=30 + step)
-            report = _refit(llm, sender, trainer)
+            report = vm.refit(llm, sender, trainer)
             assert report.version == step + 1
             assert set(sender.plan_.formats) == {"fp8-block", "bf16"}
             now = vm.vllm_greedy(llm)
             assert now != previous, f"refit {step + 1} did not change vLLM's outputs"
-            _assert_matches(llm, vm.dequantized_copy(trainer, "fp8-block"))
+            vm.assert_matches(llm, vm.dequantized_copy(trainer, "fp8-block"))
             _assert_live_bytes(llm, trainer, use_ue8m0=False)
             previous = now
         # an identical refit re-runs vLLM's post-load processing: the kernel bytes must not move
         before = llm.collective_rpc("mxrefit_kernel_state")[0]
-        _refit(llm, sender, trainer)
+        vm.refit(llm, sender, trainer)
         assert llm.collective_rpc("mxrefit_kernel_state")[0] == before
     finally:
         sender.close()
@@ -127,11 +108,11 @@ def test_fp8_block_ue8m0_scales_on_the_wire(fp8_engine):
     trainer = vm.qwen3_dense_fp8(seed=2)
     vm.train_steps(trainer, 8, seed=40)
     try:
-        _refit(llm, sender, trainer)
+        vm.refit(llm, sender, trainer)
     finally:
         sender.close()
     _assert_live_bytes(llm, trainer, use_ue8m0=True)
-    _assert_matches(llm, vm.dequantized_copy(trainer, "fp8-block-ue8m0"))
+    vm.assert_matches(llm, vm.dequantized_copy(trainer, "fp8-block-ue8m0"))
     down = trainer.model.layers[0].mlp.down_proj.weight.detach()
     pow2, plain = fp8_block.quantize(down, use_ue8m0=True)[1], fp8_block.quantize(down)[1]
     assert not torch.equal(pow2, plain)  # the two formats' bytes differ, so the check above tells them apart

@@ -12,7 +12,6 @@ served in the checkpoint's layout must hold exactly the rank's slice of the trai
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 from types import SimpleNamespace
 
@@ -44,7 +43,6 @@ from mxrefit.sender import RefitError  # noqa: E402
 from mxrefit.shapes import ModelShape  # noqa: E402
 
 TP = 2
-LOGPROB_ATOL = 0.08  # BF16 end to end through two different kernel stacks (as tests/test_vllm_engine.py)
 
 
 # ---- helpers -------------------------------------------------------------------------------
@@ -82,17 +80,6 @@ def _connect(llm, experts: str, **sender_kwargs) -> BroadcastSender:
 
 def _weights(model) -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in model.named_parameters()}
-
-
-def _sha(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
-def _assert_matches(llm, reference) -> None:
-    assert vm.vllm_greedy(llm) == vm.hf_greedy(reference)
-    got, want = vm.vllm_prompt_logprobs(llm), vm.hf_prompt_logprobs(reference)
-    worst = max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g, w))
-    assert worst < LOGPROB_ATOL, f"prompt logprobs differ by up to {worst:.3f}"
 
 
 def _whole_params(sender: BroadcastSender, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -144,7 +131,7 @@ def _kernel_mismatches(llm, trainer, sender: BroadcastSender, *, mxfp8: bool, re
             if k is None or k["shape"] != list(local.shape) or k["dtype"] != str(local.dtype):
                 continue
             compared += 1
-            if k["sha256"] != _sha(local):
+            if k["sha256"] != vm.sha256_of(local):
                 bad.append(f"rank {rank}: {name}")
     return bad, compared
 
@@ -175,7 +162,7 @@ def test_tp2_moe_refits_through_broadcast_follow_real_training(tp_moe_engine):
             assert [(s["version"], s["state"]) for s in status] == [(step + 1, "ready")] * TP
             now = vm.vllm_greedy(llm)
             assert now != previous, f"refit {step + 1} did not change vLLM's outputs"
-            _assert_matches(llm, trainer)
+            vm.assert_matches(llm, trainer)
             # embed, lm_head, norm + per layer qkv, o_proj, q/k norms, router, 2 layernorms; vLLM's CPU
             # MoE prepacks w13/w2 in place: those are checked by the outputs and the identical refit below
             bad, compared = _kernel_mismatches(llm, trainer, sender, mxfp8=False, repacked="routed_experts")
@@ -221,7 +208,7 @@ def test_tp2_refused_and_failed_refits_free_every_worker_and_the_next_refit_repa
         vm.train_steps(trainer, 4, seed=31)
         assert refit_while(_serve(llm), sender, _weights(trainer), until_shutdown=True).version == version + 1
         assert {s["state"] for s in llm.collective_rpc("mxrefit_status")} == {"ready"}
-        _assert_matches(llm, trainer)
+        vm.assert_matches(llm, trainer)
     finally:
         sender.close()
 
@@ -310,7 +297,7 @@ def test_tp2_dense_mxfp8_refits_land_vllms_own_dequantization_of_each_slice(tp_m
             assert report.version == step + 1 and report.transport == "broadcast"
             now = vm.vllm_greedy(llm)
             assert now != previous
-            _assert_matches(llm, vm.dequantized_copy(trainer))
+            vm.assert_matches(llm, vm.dequantized_copy(trainer))
             bad, compared = _kernel_mismatches(llm, trainer, sender, mxfp8=True)
             # embed, lm_head, norm + per layer qkv, o_proj, gate_up, down (dequantized), q/k norms, 2 layernorms
             assert bad == [] and compared == TP * (3 + 2 * 8), (bad, compared)

@@ -4,6 +4,7 @@ and compared with vLLM's greedy tokens and prompt logprobs."""
 from __future__ import annotations
 
 import copy
+import hashlib
 
 import torch
 
@@ -141,3 +142,27 @@ def start_llm(path: str, worker_extension_cls: str = "mxrefit.engines.vllm.Refit
 
 def stop_llm(llm) -> None:
     llm.llm_engine.engine_core.shutdown()
+
+
+LOGPROB_ATOL = 0.08  # BF16 end to end through two different kernel stacks
+
+
+def sha256_of(t: torch.Tensor) -> str:
+    """Digest of a tensor's raw bytes, for byte-identity checks across processes."""
+    return hashlib.sha256(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def refit(llm, sender, model):
+    """One refit of a running vLLM (worker extension) from the model's current parameters."""
+    from mxrefit.engines.vllm import refit_while
+
+    weights = {n: p.detach() for n, p in model.named_parameters()}
+    return refit_while(lambda: llm.collective_rpc("mxrefit_receive"), sender, weights)
+
+
+def assert_matches(llm, reference) -> None:
+    """vLLM's greedy tokens equal the reference's and its prompt logprobs are within LOGPROB_ATOL."""
+    assert vllm_greedy(llm) == hf_greedy(reference)
+    got, want = vllm_prompt_logprobs(llm), hf_prompt_logprobs(reference)
+    worst = max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g, w))
+    assert worst < LOGPROB_ATOL, f"prompt logprobs differ by up to {worst:.3f}"
