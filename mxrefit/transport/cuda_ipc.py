@@ -79,9 +79,9 @@ def expandable_segments_setting(environ: dict[str, str] | None = None) -> str | 
 def allocator_settings() -> str:
     """The caching allocator's settings as last set (at run time, else from the environment)."""
     get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
-    if get is not None:
-        return get()
-    return ",".join(os.environ.get(var, "") for var in ALLOC_CONF_VARS)
+    settings = get() if get is not None else ""
+    # some torch builds report nothing until CUDA starts although the environment already set it
+    return settings or ",".join(v for v in (os.environ.get(var, "") for var in ALLOC_CONF_VARS) if v)
 
 
 def _set_allocator_settings(settings: str) -> None:
