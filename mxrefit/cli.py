@@ -9,9 +9,9 @@ import sys
 
 def _bench(args: argparse.Namespace) -> int:
     from mxrefit.bench.report import plot, print_table
-    from mxrefit.bench.run import ALL_MODES, MODES, bench, resolve_post
+    from mxrefit.bench.run import ALL_MODES, CHECK_MODES, MODES, bench, resolve_post
 
-    modes = {"both": MODES, "all": ALL_MODES}.get(args.mode, (args.mode,))
+    modes = {"both": MODES, "all": ALL_MODES, "checks": CHECK_MODES}.get(args.mode, (args.mode,))
     try:
         post = resolve_post(args.format, args.post)
     except ValueError as err:
@@ -41,8 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     b.add_argument("--steps", type=int, default=5, help="timed refits per mode (medians are reported)")
     b.add_argument("--warmup", type=int, default=1)
-    b.add_argument("--mode", default="both", choices=("both", "all", "baseline", "prequant", "prequant-buffers"),
-                   help="both = baseline + prequant; all adds prequant-buffers (mxrefit through transfer buffers)")
+    b.add_argument("--mode", default="both", choices=("both", "all", "checks", "baseline", "prequant", "prequant-buffers",
+                                                      "prequant-verify", "prequant-transactional"),
+                   help="both = baseline + prequant; all adds prequant-buffers (mxrefit through transfer buffers); "
+                        "checks = prequant, prequant-verify (per-bucket integrity sums) and prequant-transactional "
+                        "(the engine receives into a shadow and commits a complete refit)")
     b.add_argument("--bucket-mb", type=int, default=512, help="transfer bucket size (raised to the largest tensor)")
     b.add_argument("--format", default="mxfp8", choices=FORMATS,
                    help="engine's quantized format: MXFP8 (ModelOpt) or 128x128 block FP8 (Fp8Config; float32 or "

@@ -36,6 +36,22 @@ def test_bench_with_grouped_expert_slabs(tmp_path):
     assert result["tensors"] < 100  # slabs: far fewer tensors than per-expert names
 
 
+def test_bench_checks_modes_price_verify_and_transactions(tmp_path):
+    """`--mode checks`: plain, per-bucket integrity sums, and a transactional engine, each bit-exact."""
+    out = tmp_path / "checks.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "mxrefit", "bench", "--steps", "1", "--mode", "checks", "--post", "none", "--no-progress",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    modes = json.loads(out.read_text())["modes"]
+    assert list(modes) == ["prequant", "prequant-verify", "prequant-transactional"]
+    assert all(m["check"]["mismatched"] == [] for m in modes.values())
+    assert [m["verify"] for m in modes.values()] == [False, True, False]
+    assert [m["engine_transactional"] for m in modes.values()] == [False, False, True]
+
+
 def test_bench_fp8_block_engine_bytes_match(tmp_path):
     """The FP8-block engine layout (Fp8Config: values + float32 scale_inv per 128x128 tile), no post-process:
     both modes run, and the engine's bytes are fp8_block.quantize's (baseline quantizes on the engine)."""

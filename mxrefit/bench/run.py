@@ -46,6 +46,8 @@ from mxrefit.shapes import BUILTIN, ModelShape, hf_tensor_specs
 
 MODES = ("baseline", "prequant")
 ALL_MODES = ("baseline", "prequant", "prequant-buffers")
+# what the safety options cost: per-bucket integrity sums, and receiving into a shadow committed whole
+CHECK_MODES = ("prequant", "prequant-verify", "prequant-transactional")
 POST = ("trtllm", "none")
 FORMATS = ("mxfp8", "fp8-block", "fp8-block-ue8m0")
 
@@ -106,7 +108,7 @@ def _engine_main(conn, shape: ModelShape, mode: str, device: str, timeout_s: flo
         post_names = quantized_param_names(shape) if post == "trtllm" else []
         receiver = BaselineReceiver(engine, timeout_s=timeout_s, post=post_names)
     else:
-        receiver = Receiver(engine, timeout_s=timeout_s)
+        receiver = Receiver(engine, timeout_s=timeout_s, transactional=mode == "prequant-transactional")
     conn.send({"address": receiver.address, "token": receiver.token})
     try:
         receiver.serve()
@@ -114,7 +116,8 @@ def _engine_main(conn, shape: ModelShape, mode: str, device: str, timeout_s: flo
         peak = torch.cuda.max_memory_allocated(dev) - base_mem if dev.type == "cuda" else 0
         pool = engine.staging.pool_bytes if getattr(engine, "staging", None) is not None else 0
         receiver.close()
-        conn.send({"engine_peak_extra_bytes": peak, "engine_staging_bytes": pool})
+        conn.send({"engine_peak_extra_bytes": peak, "engine_staging_bytes": pool,
+                   "engine_transactional": getattr(receiver, "transactional", False)})
 
 
 def _family(name: str) -> str:
@@ -232,7 +235,7 @@ def run_mode(mode: str, shape: ModelShape, device: torch.device, weights: dict[s
         else:
             transport = default_kind(device) if mode == "prequant-buffers" else None
             sender = Sender(hello["address"], hello["token"], device=device, bucket_bytes=bucket_bytes,
-                            timeout_s=timeout_s, transport=transport)
+                            timeout_s=timeout_s, transport=transport, verify=mode == "prequant-verify")
             sender.plan([SourceSpec(n, tuple(t.shape), t.dtype) for n, t in weights.items()])
         reports = []
         tensors = list(weights.values())
@@ -249,6 +252,7 @@ def run_mode(mode: str, shape: ModelShape, device: torch.device, weights: dict[s
         result: dict[str, Any] = {"mode": mode, "steps": [asdict(r) for r in reports]}
         if mode != "baseline":
             result["transport"] = sender.transport
+            result["verify"] = sender.verify
             result["check"] = _sample_check(sender, shape, vllm_destinations(shape, fmt=fmt, experts=experts), weights, post,
                                             fmt)
         result["trainer_peak_extra_bytes"] = torch.cuda.max_memory_allocated(device) - base_mem if device.type == "cuda" else 0
