@@ -4,16 +4,25 @@
 #      expandable_segments, resources sampled (issue 8)
 #   2. mxrefit bench --mode checks --post none: what --verify and transactional engines cost (issue 8)
 #   3. scripts/gpu_lifecycle.py --phase-only: prepare-for-generation around qwen3-30b-a3b refits (issue 7)
-# Each part has its own time limit (SOAK_S, CHECKS_S, PHASE_S) so one slow part cannot starve the others.
+# Each part has its own time limit (SOAK_S, CHECKS_S, PHASE_S) so one slow part cannot starve the others;
+# SOAK_RUNS picks soak runs (e.g. direct,direct_expandable) when device time is short; PARTS=soak,checks,phase picks parts.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
-timeout ${SOAK_S:-260} python3 scripts/gpu_soak.py > "$OUT/soak_stdout.txt" 2>&1; echo "soak rc=$?"
+PARTS=${PARTS:-soak,checks,phase}
+has() { [[ ",$PARTS," == *",$1,"* ]]; }
+if has soak; then
+timeout ${SOAK_S:-260} python3 scripts/gpu_soak.py ${SOAK_RUNS:+--runs $SOAK_RUNS} > "$OUT/soak_stdout.txt" 2>&1; echo "soak rc=$?"
 tail -8 "$OUT/soak_stdout.txt"
+fi
+if has checks; then
 timeout ${CHECKS_S:-110} python3 -m mxrefit bench --device cuda --no-progress --model qwen3-30b-a3b --post none --mode checks \
   --steps 3 --json "$OUT/bench_30b_checks.json" > "$OUT/checks_stdout.txt" 2>&1; echo "checks rc=$?"
 grep -v "^│\|^┃\|^┏\|^┡\|^└" "$OUT/checks_stdout.txt" | tail -6
+fi
+if has phase; then
 timeout ${PHASE_S:-120} python3 scripts/gpu_lifecycle.py --phase-only --phase-steps 2 --json "$OUT/lifecycle_phase.json" \
   > "$OUT/phase_stdout.txt" 2>&1; echo "phase rc=$?"
 tail -4 "$OUT/phase_stdout.txt"
+fi

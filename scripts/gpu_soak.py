@@ -295,6 +295,7 @@ def main() -> int:
     p.add_argument("--refits", type=int, default=None)
     p.add_argument("--bucket-mb", type=int, default=512)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--runs", default=None, help="comma-separated subset of the runs, in this order (default: all)")
     p.add_argument("--role", choices=["trainer", "raw-expandable-ipc"], help=argparse.SUPPRESS)
     p.add_argument("--model", default="qwen3-30b-a3b", help=argparse.SUPPRESS)
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
@@ -326,12 +327,18 @@ def main() -> int:
     if not cuda:  # the same two data paths over host shared memory
         runs = [("direct", {}, "direct", refits, 240), ("buffers", {}, "shm", refits, 240)]
         report["skipped"] = "the expandable_segments runs and the raw IPC diagnostic need CUDA"
+    if args.runs:
+        wanted = args.runs.split(",")
+        unknown = set(wanted) - {r[0] for r in runs}
+        if unknown:
+            p.error(f"--runs: unknown {sorted(unknown)}; choose from {[r[0] for r in runs]}")
+        runs = [next(r for r in runs if r[0] == name) for name in wanted]
     for name, env, transport, n, limit in runs:
         args_ = ["--role", "trainer", "--model", model, "--device", device, "--refits", str(n),
                  "--bucket-mb", str(bucket_mb), "--transport", transport]
         report["runs"][name] = _child(args_, env, os.path.join(args.out, f"gpu_soak_{name}.part.json"), limit)
         _write(out_json, report, started)  # written after every step: a cut-off run still leaves its figures
-    if cuda:
+    if cuda and not args.runs:
         report["raw_expandable_ipc"] = _child(["--role", "raw-expandable-ipc"], EXPANDABLE_ENV,
                                               os.path.join(args.out, "gpu_soak_raw.part.json"), 60)
     _write(out_json, report, started)
