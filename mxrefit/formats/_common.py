@@ -35,6 +35,21 @@ def check_out(t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, devic
         raise ValueError(f"{what}: {role} must be contiguous (strides {t.stride()} for shape {tuple(t.shape)})")
 
 
+def destinations(x: torch.Tensor, vshape: tuple[int, ...], sshape: tuple[int, ...], value_dtype: torch.dtype,
+                 scale_dtype: torch.dtype, out: torch.Tensor | None, scale_out: torch.Tensor | None,
+                 what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The values and scales to write: the caller's (checked to be exactly the part) or new ones."""
+    if out is None:
+        out = torch.empty(vshape, dtype=value_dtype, device=x.device)
+    else:
+        check_out(out, vshape, value_dtype, x.device, "out", what)
+    if scale_out is None:
+        scale_out = torch.empty(sshape, dtype=scale_dtype, device=x.device)
+    else:
+        check_out(scale_out, sshape, scale_dtype, x.device, "scale_out", what)
+    return out, scale_out
+
+
 def kernel_module(name: str) -> ModuleType | None:
     """``mxrefit.formats.<name>`` (a Triton kernel module), or None where triton is not installed."""
     try:

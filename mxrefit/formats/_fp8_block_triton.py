@@ -21,11 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
-from mxrefit.formats._triton_common import LaunchTable, e4m3_rne, interpreting, supports, widen_to_f32_bits
+from mxrefit.formats._triton_common import (LaunchTable, bad_flag, e4m3_rne, first_bad, interpreting, supports,
+                                            widen_to_f32_bits)
 
 __all__ = ["supports", "supports_block", "interpreting", "quantize_into", "QuantizeGroup"]
 
-_INT32_MAX = 2**31 - 1
 _AMAX_FLOOR_BITS = int(torch.tensor(1e-4, dtype=torch.float32).view(torch.int32))
 
 
@@ -144,16 +144,13 @@ def quantize_into(
         return None
     own_bad = bad is None
     if own_bad:
-        bad = torch.full((1,), _INT32_MAX, dtype=torch.int32, device=x.device)
+        bad = bad_flag(x.device)
     _single_kernel[(mats * per_mat,)](
         x.view(torch.int16), values.view(torch.uint8), scale_inv, bad, n, k, tiles_k, per_mat,
         BN=block[0], BK=block[1], UE8M0=use_ue8m0, INT_ROUND=interpreting() if int_round is None else int_round,
         IS_BF16=x.dtype == torch.bfloat16, AMAX_FLOOR_BITS=_AMAX_FLOOR_BITS, num_warps=num_warps,
     )
-    if not own_bad:
-        return None
-    first = int(bad.item())
-    return None if first == _INT32_MAX else first
+    return first_bad(bad) if own_bad else None
 
 
 class QuantizeGroup:

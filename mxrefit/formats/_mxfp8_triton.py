@@ -22,11 +22,11 @@ import torch
 import triton
 import triton.language as tl
 
-from mxrefit.formats._triton_common import LaunchTable, e4m3_rne, interpreting, supports, widen_to_f32_bits
+from mxrefit.formats._triton_common import (LaunchTable, bad_flag, e4m3_rne, first_bad, interpreting, supports,
+                                            widen_to_f32_bits)
 
 __all__ = ["supports", "interpreting", "quantize_into", "QuantizeGroup"]
 
-_INT32_MAX = 2**31 - 1
 
 
 @triton.jit
@@ -65,8 +65,8 @@ def _single_kernel(
         pid = pid.to(tl.int64)
     blk = pid * NB + tl.arange(0, NB)
     is_bad = _quantize_blocks(x_ptr, v_ptr, s_ptr, blk, blk < n_blocks, MIN_BYTE, INT_ROUND, IS_BF16)
-    first_bad = tl.min(tl.where(is_bad, blk, 2147483647), axis=0).to(tl.int32)
-    tl.atomic_min(bad_ptr, first_bad, mask=first_bad < 2147483647)
+    lowest = tl.min(tl.where(is_bad, blk, 2147483647), axis=0).to(tl.int32)
+    tl.atomic_min(bad_ptr, lowest, mask=lowest < 2147483647)
 
 
 @triton.jit
@@ -115,17 +115,14 @@ def quantize_into(
         int_round = interpreting()
     own_bad = bad is None
     if own_bad:
-        bad = torch.full((1,), _INT32_MAX, dtype=torch.int32, device=x.device)
+        bad = bad_flag(x.device)
     grid = (triton.cdiv(n_blocks, blocks_per_program),)
     _single_kernel[grid](
         x.view(torch.int16), values.view(torch.uint8), scales, bad, n_blocks,
         MIN_BYTE=min_byte, NB=blocks_per_program, INT_ROUND=int_round, IS_BF16=x.dtype == torch.bfloat16,
         WIDE_INDEX=x.numel() >= 2**31, num_warps=num_warps,
     )
-    if not own_bad:
-        return None
-    first = int(bad.item())
-    return None if first == _INT32_MAX else first
+    return first_bad(bad) if own_bad else None
 
 
 class QuantizeGroup:

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from mxrefit.formats._common import Backend, NonFiniteError, check_out, choose_backend, kernel_module, label
+from mxrefit.formats._common import Backend, NonFiniteError, choose_backend, destinations, kernel_module, label
 
 BLOCK = (128, 128)
 VALUE_DTYPE = torch.float8_e4m3fn
@@ -146,14 +146,7 @@ def quantize(
     block = _block(block)
     check_quantizable(tuple(x.shape), x.dtype, name, block)
     vshape, sshape = tuple(x.shape), scale_shape(x.shape, block)
-    if out is None:
-        out = torch.empty(vshape, dtype=VALUE_DTYPE, device=x.device)
-    else:
-        check_out(out, vshape, VALUE_DTYPE, x.device, "out", what)
-    if scale_out is None:
-        scale_out = torch.empty(sshape, dtype=SCALE_DTYPE, device=x.device)
-    else:
-        check_out(scale_out, sshape, SCALE_DTYPE, x.device, "scale_out", what)
+    out, scale_out = destinations(x, vshape, sshape, VALUE_DTYPE, SCALE_DTYPE, out, scale_out, what)
     kernels = _triton_module()
     chosen = choose_backend(x, backend, kernels)
     if chosen == "triton" and not kernels.supports_block(block):

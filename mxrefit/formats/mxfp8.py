@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from mxrefit.formats._common import Backend, NonFiniteError, check_out, choose_backend, kernel_module, label
+from mxrefit.formats._common import Backend, NonFiniteError, choose_backend, destinations, kernel_module, label
 
 BLOCK = 32
 VALUE_DTYPE = torch.float8_e4m3fn
@@ -116,14 +116,7 @@ def quantize(
     if x.stride(-1) != 1:
         raise ValueError(f"{what}: the last dim must be contiguous (strides {x.stride()})")
     vshape, sshape = tuple(x.shape), scale_shape(x.shape)
-    if out is None:
-        out = torch.empty(vshape, dtype=VALUE_DTYPE, device=x.device)
-    else:
-        check_out(out, vshape, VALUE_DTYPE, x.device, "out", what)
-    if scale_out is None:
-        scale_out = torch.empty(sshape, dtype=SCALE_DTYPE, device=x.device)
-    else:
-        check_out(scale_out, sshape, SCALE_DTYPE, x.device, "scale_out", what)
+    out, scale_out = destinations(x, vshape, sshape, VALUE_DTYPE, SCALE_DTYPE, out, scale_out, what)
     min_byte = 1 if zero_block_scale_one else 0
     if choose_backend(x, backend, _triton_module()) == "triton":
         bad = _triton_module().quantize_into(x, out, scale_out, min_byte)
