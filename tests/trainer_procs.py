@@ -26,11 +26,11 @@ def module_from_tensors(named: dict[str, torch.Tensor]) -> torch.nn.Module:
     return root
 
 
-def make_model(name: str, seed: int):
+def make_model(name: str, seed: int, layers: int | None = None):
     import models
 
     if name == "moe":
-        return models.tiny_qwen3_moe(seed)
+        return models.tiny_qwen3_moe(seed) if layers is None else models.tiny_qwen3_moe(seed, layers=layers)
     if name == "llama":
         return models.tiny_llama(seed)
     if name == "llama_tied":
@@ -39,7 +39,7 @@ def make_model(name: str, seed: int):
 
 
 def build_engine(spec: dict):
-    """``spec``: kind torch|vllm_layout, model, mxfp8, experts (grouped|per_expert), rules (kwargs)."""
+    """``spec``: kind torch|vllm_layout, model, mxfp8, experts (grouped|per_expert), rules (kwargs), layers."""
     from mxrefit.eligibility import DEFAULT_RULES, QuantRules
     from mxrefit.engines.layout import LayoutEngine
     from mxrefit.engines.torch import TorchEngine
@@ -48,7 +48,7 @@ def build_engine(spec: dict):
     from mxrefit.trainers.hf import HFSource
 
     rules = QuantRules(**spec["rules"]) if "rules" in spec else DEFAULT_RULES
-    model = make_model(spec["model"], spec.get("seed", 1))
+    model = make_model(spec["model"], spec.get("seed", 1), spec.get("layers"))
     experts = spec.get("experts", "grouped")
     if spec["kind"] == "torch":
         if experts == "per_expert":
@@ -207,10 +207,12 @@ def allocation_peaks(fn) -> dict[str, int]:
     return out
 
 
-def fsdp2_memory_rank(rank: int, world: int, rdzv: str, layers: int, out_dir: str) -> None:
+def fsdp2_memory_rank(rank: int, world: int, rdzv: str, layers: int, out_dir: str, engine: dict | None = None) -> None:
     """Every rank streams the FSDP2 model and records: how many earlier streamed tensors were alive
     whenever a new one arrived, which are alive after the stream, the allocation peaks of the
-    stream, and of materializing it whole (``dict(source)``, the control that the measure sees a model)."""
+    stream, and of materializing it whole (``dict(source)``, the control that the measure sees a model).
+    With ``engine`` (address, token, bucket), rank 0 then refits it from the stream (planned first,
+    so the transfer buffers exist before the measure) and records that refit's allocation peaks."""
     import gc
     import json
     import weakref
@@ -241,8 +243,21 @@ def fsdp2_memory_rank(rank: int, world: int, rdzv: str, layers: int, out_dir: st
         gc.collect()
         alive = [name for (name, *_), ref in zip(seen, refs) if ref() is not None]
         whole = allocation_peaks(lambda: dict(source))
+        refit = None
+        if engine is not None:
+            if rank == 0:
+                from mxrefit.sender import Sender
+
+                sender = Sender(engine["address"], engine["token"], bucket_bytes=engine["bucket"])
+                sender.plan(source.specs())
+                refit = allocation_peaks(lambda: sender.refit(source))
+                refit["bucket_bytes"] = sender.plan_.bucket_bytes
+                sender.close(shutdown_engine=True)
+            else:
+                for _ in source:  # join rank 0's gathers
+                    pass
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump({"stream": streamed, "whole": whole, "alive": alive, "held": max(held),
+            json.dump({"stream": streamed, "whole": whole, "refit": refit, "alive": alive, "held": max(held),
                        "largest": max(nbytes), "total": sum(nbytes), "seen": seen,
                        "specs": [[s.name, list(s.shape)] for s in source.specs()]}, f)
     finally:
