@@ -18,8 +18,7 @@ def resolve(device: torch.device | str) -> torch.device:
 
 def bind(device: torch.device | str) -> torch.device:
     """Resolve ``device`` and make it this thread's current CUDA device (``set_device`` wants an index)."""
-    dev = torch.device(device)
+    dev = resolve(device)
     if dev.type == "cuda":
-        dev = torch.device("cuda", 0 if dev.index is None else dev.index)
         torch.cuda.set_device(dev)
     return dev

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
+from mxrefit.formats._common import NO_BAD, bad_flag, first_bad
+
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -44,16 +46,16 @@ class FiniteCheck:
                     self._groups.append((idx, kernels.ScanGroup(numels, dtype, self.device)))
             grouped = {i for idx, _ in self._groups for i in idx}
             self._rest = [i for i in self._rest if i not in grouped]
-        self._flag = torch.empty(1, dtype=torch.int32, device=self.device)
+        self._flag = bad_flag(self.device)
 
     def first_bad(self, tensors: Sequence[torch.Tensor]) -> int | None:
         candidates: list[int] = []
         if self._groups:
-            self._flag.fill_(2**31 - 1)
+            self._flag.fill_(NO_BAD)
             for idx, group in self._groups:
                 group([tensors[i] for i in idx], self._flag, idx)
-            bad = int(self._flag.item())
-            if bad != 2**31 - 1:
+            bad = first_bad(self._flag)
+            if bad is not None:
                 candidates.append(bad)
         if self._rest:
             rest = [tensors[i] for i in self._rest]

@@ -36,12 +36,12 @@ from mxrefit.devices import resolve
 from mxrefit.eligibility import QuantRules, check_rules
 from mxrefit.finite_check import FiniteCheck
 from mxrefit.formats import get_format, mxfp8
+from mxrefit.formats._common import NO_BAD, bad_flag, first_bad
 from mxrefit.plan import DEFAULT_BUCKET_BYTES, PlanMismatch, RefitPlan, SourceSpec, build_plan, sources_to_msg, tables_from_msg
 from mxrefit.transport.buffers import KINDS, TransferBuffers, create_buffers, default_kind
 from mxrefit.transport.control import ControlClient, ControlError, PeerTimeout
 from mxrefit.transport.exports import OpenedExports, open_exports
 
-_NO_BAD = 2**31 - 1
 TRANSPORTS = ("direct", *KINDS)
 Tensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
@@ -249,7 +249,7 @@ class Sender:
                 outs = [[v for v in views[i] if v is not None] for i in idx]
                 encs.append((idx, get_format(fmt_name).encoder(specs, outs)))
             self._bucket_encoders.append(encs)
-        self._bad = torch.full((1,), _NO_BAD, dtype=torch.int32, device=self.device)
+        self._bad = bad_flag(self.device)
         self._sums = [ByteSum([self._run_view(b, r) for r in b.runs]) for b in plan.buckets] if self.verify else []
         self._finite: FiniteCheck | None = None
         self._bucket_checks: dict[int, FiniteCheck] = {}
@@ -332,7 +332,7 @@ class Sender:
         try:
             self._request({"op": "begin", "version": version, "digest": plan.digest, "plan_id": self._plan_id},
                           f"starting refit {version}")
-            self._bad.fill_(_NO_BAD)  # an aborted refit leaves its flag behind
+            self._bad.fill_(NO_BAD)  # an aborted refit leaves its flag behind
             for b, encoders in zip(plan.buckets, self._bucket_encoders):
                 while acked < b.index - plan.slots + 1:
                     acked = self._await_applied(acked, version, report)
@@ -344,9 +344,9 @@ class Sender:
                         srcs[i] = x
                 for idx, encode in encoders:
                     encode([srcs[i] for i in idx], self._bad)
-                bad = int(self._bad.item()) if self.device.type == "cuda" else int(self._bad)
+                bad = first_bad(self._bad)
                 report.pack_s += time.perf_counter() - t
-                if bad != _NO_BAD:
+                if bad is not None:
                     culprits = [plan.sources[i].name for i in b.sources if not bool(torch.isfinite(srcs[i]).all())]
                     self._abort(version, f"non-finite input in bucket {b.index}")
                     raise RefitError(

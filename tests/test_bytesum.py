@@ -4,6 +4,7 @@ and a flipped, swapped or moved byte changes them."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -49,8 +50,6 @@ def test_the_triton_kernel_gives_the_torch_sums_exactly():
     run = subprocess.run([sys.executable, "-c", _INTERPRETED, str(seed)], env=env, capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    import json
-
     got = json.loads(run.stdout.splitlines()[-1])
     g = torch.Generator().manual_seed(seed)
     store = torch.randint(0, 256, (1 << 18,), dtype=torch.uint8, generator=g)

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from mxrefit.bench.run import POST, _sample_check, make_weights
+from mxrefit.devices import bind, resolve
 from mxrefit.engines.layout import LayoutEngine
 from mxrefit.engines.trtllm import vllm_mxfp8_units
 from mxrefit.engines.vllm_layout import vllm_destinations, vllm_params
@@ -46,9 +47,7 @@ def _engine_main(conn, model: str, device: str, timeout_s: float, experts: str, 
     """Engine process: refits are served on a thread; sleep/wake_up arrive on the pipe."""
     from mxrefit.receiver import Receiver
 
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
+    dev = bind(device)
     shape = BUILTIN[model]
     params = vllm_params(shape, mxfp8=True)
     units, kernel = vllm_mxfp8_units(shape, params, dev) if post == "trtllm" else ((), {})
@@ -162,9 +161,7 @@ def phase_bench(model: str = "tiny-qwen3-moe", device: str = "auto", *, steps: i
     if post not in POST:
         raise ValueError(f"post must be one of {POST}, got {post!r}")
 
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else torch.device(device)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
+    dev = resolve(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
     shape = BUILTIN[model]
     specs = [SourceSpec(n, tuple(s), dt) for n, s, dt in hf_tensor_specs(shape, experts=experts)]
     weights = make_weights(specs, dev, seed=seed)

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from mxrefit.bench.baseline import quantize_as
-from mxrefit.devices import resolve
+from mxrefit.devices import bind, resolve
 from mxrefit.engines.layout import LayoutEngine
 from mxrefit.engines.trtllm import reference_kernel_bytes, vllm_mxfp8_units
 from mxrefit.engines.vllm_layout import quantized_param_names, scale_param, vllm_destinations, vllm_params
@@ -91,9 +91,7 @@ def _engine_main(conn, shape: ModelShape, mode: str, device: str, timeout_s: flo
     from mxrefit.bench.baseline import BaselineReceiver
     from mxrefit.receiver import Receiver
 
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
+    dev = bind(device)
     params = vllm_params(shape, fmt=fmt)
     dests = vllm_destinations(shape, fmt=fmt, experts=experts)
     if mode == "baseline":

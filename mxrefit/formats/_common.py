@@ -50,6 +50,20 @@ def destinations(x: torch.Tensor, vshape: tuple[int, ...], sshape: tuple[int, ..
     return out, scale_out
 
 
+NO_BAD = 2**31 - 1  # int32 max: no non-finite unit recorded
+
+
+def bad_flag(device: torch.device) -> torch.Tensor:
+    """The int32 [1] cell kernels ``atomic_min`` the first non-finite unit (block, tile, tensor) index into."""
+    return torch.full((1,), NO_BAD, dtype=torch.int32, device=device)
+
+
+def first_bad(flag: torch.Tensor) -> int | None:
+    """The index recorded in ``flag``, or None (one synchronization on a GPU)."""
+    first = int(flag.item())
+    return None if first == NO_BAD else first
+
+
 def kernel_module(name: str) -> ModuleType | None:
     """``mxrefit.formats.<name>`` (a Triton kernel module), or None where triton is not installed."""
     try:

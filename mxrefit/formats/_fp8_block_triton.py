@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mxrefit.formats._triton_common import (LaunchTable, bad_flag, e4m3_rne, first_bad, interpreting, supports,
-                                            widen_to_f32_bits)
+from mxrefit.formats._common import bad_flag, first_bad
+from mxrefit.formats._triton_common import LaunchTable, e4m3_rne, interpreting, supports, widen_to_f32_bits
 
 __all__ = ["supports", "supports_block", "interpreting", "quantize_into", "QuantizeGroup"]
 
@@ -134,7 +134,7 @@ def quantize_into(
 ) -> int | None:
     """Quantize ``x`` into contiguous ``values`` / ``scale_inv``; returns the first bad tile or None.
 
-    Pass ``bad`` (an int32 [1] tensor set to INT32_MAX) to collect non-finite reports from
+    Pass ``bad`` (``_common.bad_flag``) to collect non-finite reports from
     several launches and check once, without a synchronization per tensor.
     """
     if not x.is_contiguous():

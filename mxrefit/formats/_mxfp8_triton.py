@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mxrefit.formats._triton_common import (LaunchTable, bad_flag, e4m3_rne, first_bad, interpreting, supports,
-                                            widen_to_f32_bits)
+from mxrefit.formats._common import bad_flag, first_bad
+from mxrefit.formats._triton_common import LaunchTable, e4m3_rne, interpreting, supports, widen_to_f32_bits
 
 __all__ = ["supports", "interpreting", "quantize_into", "QuantizeGroup"]
 
@@ -102,7 +102,7 @@ def quantize_into(
     """Quantize ``x`` into contiguous ``values`` / ``scales``; returns the first bad block or None.
 
     Blocks are consecutive runs of 32 elements of the contiguous input, so one flat index
-    serves 2-D and 3-D tensors alike. Pass ``bad`` (an int32 [1] tensor set to INT32_MAX)
+    serves 2-D and 3-D tensors alike. Pass ``bad`` (``_common.bad_flag``)
     to collect non-finite reports from several launches and check once, without a
     synchronization per tensor.
     """

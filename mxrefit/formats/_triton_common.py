@@ -100,16 +100,3 @@ class LaunchTable:
         self.src_addresses = addrs
         return True
 
-
-INT32_MAX = 2**31 - 1
-
-
-def bad_flag(device: torch.device) -> torch.Tensor:
-    """The int32 [1] cell kernels ``atomic_min`` the first non-finite unit index into."""
-    return torch.full((1,), INT32_MAX, dtype=torch.int32, device=device)
-
-
-def first_bad(flag: torch.Tensor) -> int | None:
-    """The index a kernel recorded in ``flag``, or None (one synchronization)."""
-    first = int(flag.item())
-    return None if first == INT32_MAX else first
