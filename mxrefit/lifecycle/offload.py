@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mxrefit.devices import resolve
 from mxrefit.lifecycle._tensors import local_storage, on_stream, storage_bytes
 from mxrefit.lifecycle.arena import DEFAULT_HEADROOM_BYTES, PinnedArena, aligned_layout, host_available_bytes
 
@@ -73,9 +74,8 @@ class OptimizerOffloader:
         self.names = []
         for gi, group in enumerate(optimizer.param_groups):
             self.names += [given.get(id(p), f"param_groups[{gi}][{pi}]") for pi, p in enumerate(group["params"])]
-        self.device = torch.device(device) if device is not None else self.params[0].device
-        if self.device.type == "cuda" and self.device.index is None:  # compared with tensors' devices, which carry one
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        # compared with tensors' devices, which carry an index
+        self.device = resolve(device) if device is not None else self.params[0].device
         self.available = available
         self.headroom_bytes = headroom_bytes
         self.arena: PinnedArena | None = None
