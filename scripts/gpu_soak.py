@@ -13,7 +13,8 @@ Runs, each a fresh trainer process that spawns its engine process (``vllm_layout
   expandable (``torch.cuda.memory_snapshot``) while the trainer's weights are.
 Each run records every refit's time and, at refits 1, 10, 50 and the last, per process: CUDA
 memory allocated/reserved (the engine's via a probe thread), host RSS, open fds, mappings of
-``/dev/nvidia*`` (where opened IPC handles show), gc-tracked objects; plus device memory used
+``/dev/nvidia*`` (where opened IPC handles show), gc-tracked objects after a full collection (and before it), the engine's
+report-history length; plus device memory used
 (``cudaMemGetInfo``, nvidia-smi) and an engine byte check of one tensor per family. "Flat" from
 the sample at refit 10 to the last: equal fds, /dev/nvidia mappings and CUDA allocated/reserved
 bytes; RSS and device-used growth under 64 MiB; gc objects under 200.
@@ -59,6 +60,15 @@ def _proc_counts(pid: int) -> dict:
             "nvidia_maps": sum("/dev/nvidia" in m for m in maps), "shm_maps": sum("/dev/shm/" in m for m in maps)}
 
 
+def _objects() -> dict:
+    """gc-tracked objects after a full collection (what is still reachable: a leak) and before it (garbage in
+    reference cycles, freed by the next collection; the first H200 soak counted without collecting and saw the
+    engine's count rise ~300 per probe, not per refit)."""
+    before = len(gc.get_objects())
+    gc.collect()
+    return {"objects": len(gc.get_objects()), "objects_before_collect": before}
+
+
 def _cuda_counts(device: torch.device) -> dict:
     if device.type != "cuda":
         return {}
@@ -76,14 +86,15 @@ def _nvidia_smi_used_mib() -> int | None:
 
 # ---- engine process -----------------------------------------------------------------------
 
-def _answer_probes(conn, device: torch.device) -> None:
+def _answer_probes(conn, device: torch.device, receiver) -> None:
     while True:
         try:
             conn.recv()
         except EOFError:
             return
+        counts = {**_cuda_counts(device), **_objects(), "history": len(receiver.history)}
         expandable = sum(s.get("is_expandable", False) for s in torch.cuda.memory_snapshot()) if device.type == "cuda" else 0
-        conn.send({**_cuda_counts(device), "objects": len(gc.get_objects()), "expandable_segments": expandable})
+        conn.send({**counts, "expandable_segments": expandable})
 
 
 def engine_main(conn, probe_conn, model: str, device: str, timeout_s: float) -> None:
@@ -97,7 +108,7 @@ def engine_main(conn, probe_conn, model: str, device: str, timeout_s: float) -> 
     shape = BUILTIN[model]
     engine = LayoutEngine(vllm_params(shape, mxfp8=True), vllm_destinations(shape, mxfp8=True), dev)
     receiver = Receiver(engine, timeout_s=timeout_s)
-    threading.Thread(target=_answer_probes, args=(probe_conn, dev), daemon=True).start()
+    threading.Thread(target=_answer_probes, args=(probe_conn, dev, receiver), daemon=True).start()
     conn.send({"address": receiver.address, "token": receiver.token})
     try:
         receiver.serve()
@@ -181,7 +192,7 @@ def trainer_run(model: str, device: str, refits: int, bucket_mb: int, transport:
                 free, total = torch.cuda.mem_get_info(dev) if dev.type == "cuda" else (0, 0)
                 samples.append({
                     "refit": refit,
-                    "trainer": {**_proc_counts(os.getpid()), **_cuda_counts(dev), "objects": len(gc.get_objects())},
+                    "trainer": {**_proc_counts(os.getpid()), **_cuda_counts(dev), **_objects()},
                     "engine": {**_proc_counts(proc.pid), **engine_side},
                     "device_used": total - free if dev.type == "cuda" else None,
                     "nvidia_smi_used_mib": _nvidia_smi_used_mib() if dev.type == "cuda" else None,
