@@ -1,6 +1,7 @@
 """What ``--verify``'s integrity sums cost on the GPU: ``mxrefit.bytesum`` over one refit bucket of
 Qwen3-30B-A3B's shapes (per-expert FP8 values + E8M0 scales, 512 MiB) and over one flat 512 MiB view,
-against the read bandwidth of the same bytes (a float sum) in the same run; launch shapes swept.
+against the read bandwidth of the same bytes (a float sum) in the same run; launch shapes (32-bit words per
+block, warps) swept. ``bytesum_call`` is the whole ``ByteSum()`` call, with its read-back of the two sums.
 
     PYTHONPATH=$PWD python3 scripts/gpu_bytesum.py --json $OUT/bytesum.json
 """
@@ -67,8 +68,8 @@ def main() -> None:
         rows[f"{layout}_bytesum_call"] = {"s": (s := timed(total)), "GBps": covered / s / 1e9, "views": len(views),
                                           "of_read_floor": read_s / s * covered / n}
         group = total._group
-        for block in (1024, 2048, 4096, 8192):
-            for warps in (4, 8, 16):
+        for block in (256, 512, 1024, 2048):  # words
+            for warps in (2, 4, 8):
                 s = timed(lambda: launch(group, block, warps))
                 rows[f"{layout}_kernel_b{block}_w{warps}"] = {"s": s, "GBps": covered / s / 1e9,
                                                              "of_read_floor": read_s / s * covered / n}
