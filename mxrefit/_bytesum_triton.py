@@ -59,7 +59,7 @@ def _bytesum_kernel(prog_region, prog_start, nbytes_of, addr_of, out, CHUNK: tl.
 
 
 class ByteSumGroup:
-    def __init__(self, views: list[torch.Tensor], device: torch.device, block: int = 1024, num_warps: int = 4):
+    def __init__(self, views: list[torch.Tensor], device: torch.device, block: int = 256, num_warps: int = 4):
         self.block, self.num_warps = block, num_warps
         prog_region, prog_start = [], []
         for r, v in enumerate(views):

@@ -176,6 +176,25 @@ def test_step_and_new_gradients_while_offloaded_are_refused():
         off.reload()
 
 
+def test_offload_returns_before_its_copies_are_queued_and_wait_reports_their_failure():
+    """The copies are queued by a worker thread: offload() returns without waiting for it, and a copy
+    that fails there is raised by wait() (here: the arena is closed before the worker gets to run)."""
+    import threading
+
+    model, opt = _trained()
+    off = OptimizerOffloader(opt, named_parameters=model.named_parameters())
+    assert off.offload() > 0
+    off.wait()
+    off.reload()
+    hold = threading.Event()
+    off._worker.submit(hold.wait)  # the worker is busy: offload() must not wait for it
+    assert off.offload() > 0 and off.offloaded
+    off.arena.close()
+    hold.set()
+    with pytest.raises(RuntimeError, match=r"queueing the offload copies failed: .* partly on the host"):
+        off.wait()
+
+
 def test_state_that_shares_memory_with_a_parameter_is_refused():
     model, opt = _trained()
     name, p = next(iter(model.named_parameters()))
@@ -200,6 +219,7 @@ def test_gradients_that_are_views_of_one_flat_buffer_move_once():
     off = OptimizerOffloader(opt)
     expected = sum(t.untyped_storage().nbytes() for p in params for t in opt.state[p].values()) + flat.numel() * flat.element_size()
     assert off.offload() == expected
+    off.wait()
     assert flat.untyped_storage().nbytes() == 0
     off.reload()
     assert _snapshot(model, opt) == before
@@ -240,6 +260,7 @@ def test_fsdp2_local_shards_round_trip_and_training_matches(one_rank_group):
                 assert isinstance(p.grad, DTensor) and isinstance(opt.state[p]["exp_avg"], DTensor)
                 before = _snapshot(model, opt)
                 assert off.offload() > 0
+                off.wait()
                 assert opt.state[p]["exp_avg"].to_local().untyped_storage().nbytes() == 0
                 off.reload()
                 assert _snapshot(model, opt) == before
