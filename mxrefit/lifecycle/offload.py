@@ -25,25 +25,22 @@ The arena is sized on the first offload that finds state, and reused while the s
 replaced (the old one freed first) only when more state appears later, e.g. optimizer state that
 torch.optim creates lazily at the first step. ``arena_allocations`` counts this.
 
-Queueing a copy per storage costs the host ~80 us (the copy, ``record_stream``, the resize; 1,157
-storages of Qwen3-30B-A3B took 94 ms on an H200, scripts/gpu_offload_queue.py), so ``offload()``
-hands that loop to one worker thread and returns after the cheap part (collect, lay out, detach
-the gradients): a refit can start at once. On CUDA the copies run on a side stream that first waits
-for work already queued on the current stream, and each storage is freed as soon as its copy is
-queued (``record_stream`` keeps the block from being reused before the copy has run). ``wait()``
-joins the worker (re-raising what it raised), blocks until the copies are done and returns the
-freed blocks to the driver (``empty_cache``), where another process, the engine, can map them.
-``reload()`` joins the worker first, then allocates on the current stream, copies on the side stream
-and makes the current stream wait for those copies: the host does not wait for the bytes and later
-kernels see the restored bytes. Reload stays on the caller's thread, because the current stream
-must wait for an event that has already been recorded.
+``offload()`` queues every copy with one ``torch._foreach_copy_`` call and frees nothing yet: per
+storage, a Python-level copy + ``record_stream`` + resize held the host ~80-160 us (1,157 storages of
+Qwen3-30B-A3B: 94 ms alone, 189 ms inside the phase, on an H200; scripts/gpu_offload_queue.py), which
+left a refit little to overlap with, and queueing them from a worker thread was worse (the refit
+slowed from 82 to 310 ms, contending for the interpreter). On CUDA the copies run on a side stream
+that first waits for work already queued on the current stream, so ``offload()`` returns while
+they run and a refit can start. ``wait()`` blocks until they are done, then frees the storages and
+returns the blocks to the driver (``empty_cache``), where another process, the engine, can map them:
+the room appears at ``wait()``, which is when the phase gives it to the engine's KV cache.
+``reload()`` allocates on the current stream, copies on the side stream and makes the current
+stream wait for those copies: the host does not block and later kernels see the restored bytes.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -90,12 +87,11 @@ class OptimizerOffloader:
         self.offloaded = False
         self.nbytes = 0
         self._moved: list[_Moved] = []
+        self._unfreed: list[_Moved] = []
         self._detached: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if cuda else None
         self._done = torch.cuda.Event() if cuda else None
-        self._worker: ThreadPoolExecutor | None = None
-        self._queued: Future | None = None
         self._hook = optimizer.register_step_pre_hook(self._refuse_step)
 
     def _refuse_step(self, optimizer, args, kwargs) -> None:
@@ -145,61 +141,49 @@ class OptimizerOffloader:
 
     @torch.no_grad()
     def offload(self) -> int:
-        """Start the copies to host (the device memory is freed as they are queued); returns the bytes moved."""
+        """Queue the copies to host; ``wait()`` frees the device memory. Returns the bytes moved."""
         if self.offloaded:
             raise RuntimeError("the optimizer's state is already offloaded; reload() first")
         found, detach = self._collect()
         offsets, total = aligned_layout([s.nbytes() for _, s in found])
         if total:
             self._ensure_arena(total)
-        if self._stream is not None:
+        moved = [_Moved(name, storage, offset, storage.nbytes()) for (name, storage), offset in zip(found, offsets)]
+        cuda = self._stream is not None
+        if cuda:
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        if moved:
+            with on_stream(self._stream):
+                torch._foreach_copy_([self.arena.view(m.offset, m.nbytes) for m in moved],
+                                     [storage_bytes(m.storage) for m in moved], non_blocking=cuda)
+                if cuda:
+                    self._done.record(self._stream)
         for _, p, _ in detach:
             p.grad = None
-        self._moved = [_Moved(name, storage, offset, storage.nbytes()) for (name, storage), offset in zip(found, offsets)]
-        self._detached = detach
-        self.nbytes = sum(m.nbytes for m in self._moved)
+        self._moved, self._detached = moved, detach
+        self._unfreed = moved
+        self.nbytes = sum(m.nbytes for m in moved)
         self.offloaded = True
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxrefit-offload")
-        self._queued = self._worker.submit(self._queue_offload, self._moved)
         return self.nbytes
 
-    @torch.no_grad()
-    def _queue_offload(self, moved: list[_Moved]) -> None:
-        """Worker thread: queue each storage's copy into the arena, then free the storage."""
-        cuda = self._stream is not None
-        with torch.cuda.device(self.device) if cuda else contextlib.nullcontext(), on_stream(self._stream):
-            for m in moved:
-                src = storage_bytes(m.storage)
-                self.arena.view(m.offset, m.nbytes).copy_(src, non_blocking=cuda)
-                if cuda:
-                    src.record_stream(self._stream)
-                del src
-                m.storage.resize_(0)
-            if cuda:
-                self._done.record(self._stream)
-
-    def _join(self) -> None:
-        """Wait for the worker to have queued every copy; re-raise what it raised."""
-        if self._queued is not None:
-            queued, self._queued = self._queued, None
-            try:
-                queued.result()
-            except Exception as err:
-                raise RuntimeError(f"queueing the offload copies failed: {err}; the optimizer state is partly "
-                                   "on the host") from err
+    def _free_offloaded(self) -> None:
+        """Free the storages whose bytes are now in the arena (their copies are done)."""
+        for m in self._unfreed:
+            m.storage.resize_(0)
+        self._unfreed = []
 
     @torch.no_grad()
     def reload(self) -> int:
         """Re-allocate, queue the copies back and re-attach gradients; returns the bytes moved."""
         if not self.offloaded:
             raise RuntimeError("nothing is offloaded; offload() first")
-        self._join()
         for name, p, _ in self._detached:
             if p.grad is not None:
                 raise RuntimeError(f"a new gradient of {name!r} was written while the optimizer state was offloaded; "
                                    "refusing to overwrite it with the offloaded one")
+        if self._unfreed:  # no wait() since offload(): the state never left the device, nothing to copy back
+            self._unfreed = []
+            return self._reattach()
         cuda = self._stream is not None
         current = torch.cuda.current_stream(self.device) if cuda else None
         if cuda:  # blocks handed to the current stream may still be in use by work queued there
@@ -214,6 +198,9 @@ class OptimizerOffloader:
         if cuda:
             self._done.record(self._stream)
             current.wait_event(self._done)
+        return self._reattach()
+
+    def _reattach(self) -> int:
         for _, p, grad in self._detached:
             p.grad = grad
         self._moved, self._detached = [], []
@@ -221,12 +208,13 @@ class OptimizerOffloader:
         return self.nbytes
 
     def wait(self, *, release: bool = True) -> None:
-        """Block until the queued copies are done; after an offload, hand the freed blocks back to the driver."""
-        self._join()
+        """Block until the queued copies are done; after an offload, free the state's device memory and (with
+        ``release``) hand the freed blocks back to the driver."""
         if self._done is not None:
             self._done.synchronize()
-            if release and self.offloaded:
-                torch.cuda.empty_cache()
+        self._free_offloaded()
+        if self._done is not None and release and self.offloaded:
+            torch.cuda.empty_cache()
 
     def close(self) -> None:
         """Reload if needed, remove the step hook and free the arena."""
@@ -234,9 +222,6 @@ class OptimizerOffloader:
             self.reload()
             self.wait()
         self._hook.remove()
-        if self._worker is not None:
-            self._worker.shutdown()
-            self._worker = None
         if self.arena is not None:
             self.arena.close()
             self.arena = None
