@@ -176,25 +176,6 @@ def test_step_and_new_gradients_while_offloaded_are_refused():
         off.reload()
 
 
-def test_the_state_is_freed_at_wait_and_a_reload_before_wait_keeps_it():
-    """offload() only queues the copies; wait() frees the device memory. Reloading before wait() finds
-    the state still in place and keeps it as it was."""
-    model, opt = _trained()
-    before = _snapshot(model, opt)
-    state = opt.state[next(iter(model.parameters()))]["exp_avg"]
-    off = OptimizerOffloader(opt, named_parameters=model.named_parameters())
-    nbytes = off.offload()
-    assert off.offloaded and state.untyped_storage().nbytes() > 0
-    assert off.reload() == nbytes and not off.offloaded
-    assert _snapshot(model, opt) == before
-    off.offload()
-    off.wait()
-    assert state.untyped_storage().nbytes() == 0
-    off.reload()
-    off.wait()
-    assert _snapshot(model, opt) == before
-
-
 def test_state_that_shares_memory_with_a_parameter_is_refused():
     model, opt = _trained()
     name, p = next(iter(model.named_parameters()))
@@ -219,7 +200,6 @@ def test_gradients_that_are_views_of_one_flat_buffer_move_once():
     off = OptimizerOffloader(opt)
     expected = sum(t.untyped_storage().nbytes() for p in params for t in opt.state[p].values()) + flat.numel() * flat.element_size()
     assert off.offload() == expected
-    off.wait()
     assert flat.untyped_storage().nbytes() == 0
     off.reload()
     assert _snapshot(model, opt) == before
@@ -260,7 +240,6 @@ def test_fsdp2_local_shards_round_trip_and_training_matches(one_rank_group):
                 assert isinstance(p.grad, DTensor) and isinstance(opt.state[p]["exp_avg"], DTensor)
                 before = _snapshot(model, opt)
                 assert off.offload() > 0
-                off.wait()
                 assert opt.state[p]["exp_avg"].to_local().untyped_storage().nbytes() == 0
                 off.reload()
                 assert _snapshot(model, opt) == before

@@ -25,17 +25,19 @@ The arena is sized on the first offload that finds state, and reused while the s
 replaced (the old one freed first) only when more state appears later, e.g. optimizer state that
 torch.optim creates lazily at the first step. ``arena_allocations`` counts this.
 
-``offload()`` queues every copy with one ``torch._foreach_copy_`` call and frees nothing yet: per
-storage, a Python-level copy + ``record_stream`` + resize held the host ~80-160 us (1,157 storages of
-Qwen3-30B-A3B: 94 ms alone, 189 ms inside the phase, on an H200; scripts/gpu_offload_queue.py), which
-left a refit little to overlap with, and queueing them from a worker thread was worse (the refit
-slowed from 82 to 310 ms, contending for the interpreter). On CUDA the copies run on a side stream
-that first waits for work already queued on the current stream, so ``offload()`` returns while
-they run and a refit can start. ``wait()`` blocks until they are done, then frees the storages and
-returns the blocks to the driver (``empty_cache``), where another process, the engine, can map them:
-the room appears at ``wait()``, which is when the phase gives it to the engine's KV cache.
-``reload()`` allocates on the current stream, copies on the side stream and makes the current
-stream wait for those copies: the host does not block and later kernels see the restored bytes.
+On CUDA, copies run on a side stream: ``offload()`` makes it wait for work already queued on the
+current stream, queues one copy per storage and frees each storage at once (``record_stream``
+keeps the block from being reused before its copy has run), and returns without blocking, so a
+refit can run meanwhile. ``wait()`` blocks until the copies are done and returns the freed blocks
+to the driver (``empty_cache``), where another process, the engine, can map them. ``reload()``
+allocates on the current stream, copies on the side stream and makes the current stream wait for
+those copies: the host does not block and later kernels see the restored bytes.
+
+Queueing is not free: ~80 us of host time per storage (94 ms for Qwen3-30B-A3B's 1,157 on an
+H200, scripts/gpu_offload_queue.py). Two ways around it were measured in the phase and dropped
+(docs/lifecycle.md): a worker thread that queues the copies (the refit beside it slowed from 82
+to 310 ms, both threads wanting the interpreter) and one ``torch._foreach_copy_`` with the frees
+moved to ``wait()`` (105-113 ms to queue: no faster).
 """
 
 from __future__ import annotations
@@ -87,7 +89,6 @@ class OptimizerOffloader:
         self.offloaded = False
         self.nbytes = 0
         self._moved: list[_Moved] = []
-        self._unfreed: list[_Moved] = []
         self._detached: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if cuda else None
@@ -141,36 +142,35 @@ class OptimizerOffloader:
 
     @torch.no_grad()
     def offload(self) -> int:
-        """Queue the copies to host; ``wait()`` frees the device memory. Returns the bytes moved."""
+        """Queue the copies to host and free the device memory; returns the bytes moved."""
         if self.offloaded:
             raise RuntimeError("the optimizer's state is already offloaded; reload() first")
         found, detach = self._collect()
         offsets, total = aligned_layout([s.nbytes() for _, s in found])
         if total:
             self._ensure_arena(total)
-        moved = [_Moved(name, storage, offset, storage.nbytes()) for (name, storage), offset in zip(found, offsets)]
         cuda = self._stream is not None
         if cuda:
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        if moved:
-            with on_stream(self._stream):
-                torch._foreach_copy_([self.arena.view(m.offset, m.nbytes) for m in moved],
-                                     [storage_bytes(m.storage) for m in moved], non_blocking=cuda)
+        moved = []
+        with on_stream(self._stream):
+            for (name, storage), offset in zip(found, offsets):
+                n = storage.nbytes()
+                src = storage_bytes(storage)
+                self.arena.view(offset, n).copy_(src, non_blocking=cuda)
                 if cuda:
-                    self._done.record(self._stream)
+                    src.record_stream(self._stream)
+                del src
+                storage.resize_(0)
+                moved.append(_Moved(name, storage, offset, n))
+            if cuda:
+                self._done.record(self._stream)
         for _, p, _ in detach:
             p.grad = None
         self._moved, self._detached = moved, detach
-        self._unfreed = moved
         self.nbytes = sum(m.nbytes for m in moved)
         self.offloaded = True
         return self.nbytes
-
-    def _free_offloaded(self) -> None:
-        """Free the storages whose bytes are now in the arena (their copies are done)."""
-        for m in self._unfreed:
-            m.storage.resize_(0)
-        self._unfreed = []
 
     @torch.no_grad()
     def reload(self) -> int:
@@ -181,9 +181,6 @@ class OptimizerOffloader:
             if p.grad is not None:
                 raise RuntimeError(f"a new gradient of {name!r} was written while the optimizer state was offloaded; "
                                    "refusing to overwrite it with the offloaded one")
-        if self._unfreed:  # no wait() since offload(): the state never left the device, nothing to copy back
-            self._unfreed = []
-            return self._reattach()
         cuda = self._stream is not None
         current = torch.cuda.current_stream(self.device) if cuda else None
         if cuda:  # blocks handed to the current stream may still be in use by work queued there
@@ -198,9 +195,6 @@ class OptimizerOffloader:
         if cuda:
             self._done.record(self._stream)
             current.wait_event(self._done)
-        return self._reattach()
-
-    def _reattach(self) -> int:
         for _, p, grad in self._detached:
             p.grad = grad
         self._moved, self._detached = [], []
@@ -208,13 +202,11 @@ class OptimizerOffloader:
         return self.nbytes
 
     def wait(self, *, release: bool = True) -> None:
-        """Block until the queued copies are done; after an offload, free the state's device memory and (with
-        ``release``) hand the freed blocks back to the driver."""
+        """Block until the queued copies are done; after an offload, hand the freed blocks back to the driver."""
         if self._done is not None:
             self._done.synchronize()
-        self._free_offloaded()
-        if self._done is not None and release and self.offloaded:
-            torch.cuda.empty_cache()
+            if release and self.offloaded:
+                torch.cuda.empty_cache()
 
     def close(self) -> None:
         """Reload if needed, remove the step hook and free the arena."""

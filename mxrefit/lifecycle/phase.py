@@ -2,8 +2,7 @@
 
 ``prepare_for_generation`` runs, and times, each part:
 
-1. ``trainer.offload()``: start the copies of optimizer state and gradients to host memory (a worker thread
-   queues them);
+1. ``trainer.offload()``: queue the copies of optimizer state and gradients to host memory;
 2. ``engine.wake_up(tags=["weights"])``: the engine maps its weight memory again;
 3. ``refit()``: the weights move (mxrefit's ``Sender.refit``; its own report is kept whole);
 4. ``trainer.wait()``: the offload copies finish and the freed blocks go back to the driver;
