@@ -17,8 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
+from mxrefit.bytesum import MOD
+
 CHUNK = 16384  # words per program, below MOD: see the weights in the kernel
-MOD = 65521
 
 
 @triton.jit
