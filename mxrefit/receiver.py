@@ -305,8 +305,8 @@ class Receiver:
                     t = time.perf_counter()
                     if not self.transactional:
                         self.state = "partial"
-                    self._appliers[expected]()
-                    self._sync()
+                    _engine_step("copy of the bucket into its storage", self._appliers[expected])
+                    _engine_step("device synchronize", self._sync)
                     stats.apply_s += time.perf_counter() - t
                     mismatch = self._verify(expected, msg.get("sum"))
                     if mismatch:
@@ -315,8 +315,8 @@ class Receiver:
                         return
                     t = time.perf_counter()
                     if not self.transactional:
-                        self.engine.after_bucket(expected)
-                        self._sync()  # "applied" frees the bucket's staging for the trainer
+                        _engine_step("after_bucket", self.engine.after_bucket, expected)
+                        _engine_step("device synchronize", self._sync)  # "applied" frees the bucket's staging for the trainer
                     stats.process_s += time.perf_counter() - t
                     stats.bytes += self._appliers[expected].nbytes
                     stats.buckets += 1
@@ -329,7 +329,8 @@ class Receiver:
                     t = time.perf_counter()
                     if self.transactional:
                         self._commit_shadow(stats)
-                    self.engine.after_refit(version)
+                    self.state = "partial"  # until after_refit returns, the engine's weights are not yet this version
+                    _engine_step("after_refit", self.engine.after_refit, version)
                     stats.after_refit_s = time.perf_counter() - t
                     self.version, self.state, self.last_error = version, "ready", None
                     stats.wall_s = time.perf_counter() - start
@@ -351,6 +352,10 @@ class Receiver:
                 f"refit to version {version} interrupted: no bucket {expected} of {len(self._appliers)} from the "
                 f"trainer at {self.address} within the {self.timeout_s:g} s timeout"
             )
+        except EngineStepError as err:
+            log.error("refit to version %d: %s", version, err, exc_info=err.__cause__)
+            self._fail(f"refit to version {version}: {err}")
+            self._reply({"op": "error", "kind": "engine", "problems": [self.last_error], **self.status()})
 
     def _reply(self, msg: dict) -> bool:
         """Answer the trainer; False if it already went away (logged, never fatal here)."""
@@ -385,12 +390,12 @@ class Receiver:
         self.state = "partial"
         for bucket, commit in enumerate(self._commits):
             t = time.perf_counter()
-            commit()
-            self._sync()
+            _engine_step("commit copy", commit)
+            _engine_step("device synchronize", self._sync)
             stats.apply_s += time.perf_counter() - t
             t = time.perf_counter()
-            self.engine.after_bucket(bucket)
-            self._sync()
+            _engine_step("after_bucket", self.engine.after_bucket, bucket)
+            _engine_step("device synchronize", self._sync)
             stats.process_s += time.perf_counter() - t
 
     def _checksums(self, ranges: list) -> list[str | None]:
@@ -421,6 +426,18 @@ class Receiver:
     def close(self) -> None:
         self._release_data_path()
         self.server.close()
+
+
+class EngineStepError(RuntimeError):
+    """Something the engine does during a refit raised (its hooks, the copies, the device)."""
+
+
+def _engine_step(what: str, fn, *args) -> None:
+    """Run one engine-side step of a refit; its failure becomes an error the receiver reports and survives."""
+    try:
+        fn(*args)
+    except Exception as err:
+        raise EngineStepError(f"the engine's {what} raised {type(err).__name__}: {str(err)[:300]}") from err
 
 
 def _is_int(value: object) -> bool:

@@ -20,7 +20,8 @@ KILLED_ENGINE_EXIT = 23
 
 
 def faulty_engine(module, mxfp8: bool, fault: dict):
-    """``fault``: {"refit": r, "bucket": b, "action": "die" | "hang", "seconds": s}."""
+    """``fault``: {"refit": r, "bucket": b, "action": "die" | "hang" | "raise", "seconds": s}, or
+    {"refit": r, "action": "raise_after_refit"}. Refits are counted from 1 at their first bucket."""
     from mxrefit.engines.torch import TorchEngine
 
     class FaultyEngine(TorchEngine):
@@ -29,10 +30,16 @@ def faulty_engine(module, mxfp8: bool, fault: dict):
         def after_bucket(self, bucket: int) -> None:
             if bucket == 0:
                 self.refits_started += 1
-            if self.refits_started == fault["refit"] and bucket == fault["bucket"]:
+            if self.refits_started == fault["refit"] and bucket == fault.get("bucket"):
                 if fault["action"] == "die":
                     os._exit(KILLED_ENGINE_EXIT)
+                if fault["action"] == "raise":
+                    raise RuntimeError(f"injected failure in after_bucket({bucket})")
                 time.sleep(fault["seconds"])
+
+        def after_refit(self, version: int) -> None:
+            if self.refits_started == fault["refit"] and fault["action"] == "raise_after_refit":
+                raise RuntimeError(f"injected failure in after_refit({version})")
 
     return FaultyEngine(module, mxfp8=mxfp8)
 

@@ -345,3 +345,31 @@ def test_engine_hung_past_the_trainer_timeout_then_next_refit_lands():
         assert engine.proc.is_alive()
     finally:
         engine.stop(sender)
+
+
+@pytest.mark.parametrize("transactional,fault", [
+    (False, {"refit": 2, "bucket": 2, "action": "raise"}),
+    (True, {"refit": 2, "bucket": 2, "action": "raise"}),
+    (False, {"refit": 2, "action": "raise_after_refit"}),
+], ids=["after_bucket", "after_bucket-transactional", "after_refit"])
+def test_an_engine_hook_that_raises_is_reported_and_the_engine_keeps_serving(transactional, fault):
+    """The engine's own code failing mid-refit (its post-processing, say) ends that refit with an error the
+    trainer sees at once, the engine stays up and says it is partial at the last complete version, and
+    the next refit repairs it."""
+    engine = EngineProcess(mxfp8=True, timeout_s=ENGINE_TIMEOUT_S, transactional=transactional, fault=fault)
+    sender = _sender(engine)
+    try:
+        specs = trainer_specs(sender)
+        sender.refit(random_weights(specs, 21))
+        hook = "after_refit" if fault["action"] == "raise_after_refit" else "after_bucket"
+        start = time.monotonic()
+        with pytest.raises(RefitError, match=rf"the engine's {hook} raised RuntimeError: injected failure in {hook}"):
+            sender.refit(random_weights(specs, 22))
+        assert time.monotonic() - start < TRAINER_TIMEOUT_S, "the trainer must hear of it at once, not by timeout"
+        status = sender.status()
+        assert (status["version"], status["state"]) == (1, "partial")
+        assert f"refit to version 2: the engine's {hook} raised RuntimeError" in status["error"]
+        _assert_next_refit_lands(sender, 23)
+        assert engine.proc.is_alive()
+    finally:
+        engine.stop(sender)
