@@ -54,7 +54,7 @@ class ByteSum:
         kernels = _triton_module()
         interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
         self._group = kernels.ByteSumGroup(views, device) if kernels is not None and (device.type == "cuda" or interpreted) else None
-        self._weights: dict[int, torch.Tensor] = {}
+        self._weights = torch.empty(0, WORDS_PER_ROW, dtype=torch.int64, device=device)  # (k % MOD) + 1, by row
 
     def __call__(self) -> tuple[int, int]:
         if self._group is not None:
@@ -64,8 +64,8 @@ class ByteSum:
         for v in self.views:
             words = _words(v)
             rows = words.shape[0]
-            if rows not in self._weights:
-                self._weights[rows] = (torch.arange(words.numel(), dtype=torch.int64, device=v.device) % MOD + 1).view(rows, -1)
+            if rows > self._weights.shape[0]:  # one table for every view: each takes its first rows
+                self._weights = (torch.arange(words.numel(), dtype=torch.int64, device=v.device) % MOD + 1).view(rows, -1)
             s1 += sum(words.sum(dim=1).tolist())
-            s2 += sum((words * self._weights[rows]).sum(dim=1).tolist())
+            s2 += sum((words * self._weights[:rows]).sum(dim=1).tolist())
         return s1 % _WRAP, s2 % _WRAP
