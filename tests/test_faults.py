@@ -301,9 +301,10 @@ def test_engine_killed_mid_receive_trainer_raises_within_its_timeout():
         specs = trainer_specs(sender)
         sender.refit(random_weights(specs, 15))
         start = time.monotonic()
+        # the engine dies in bucket 1; its "applied" for bucket 0 may die with it, unsent by zmq's I/O thread
         with pytest.raises(RefitError, match=f"refit 2 failed: no message from the engine at {engine.address} "
                                              f"within {TRAINER_TIMEOUT_S:g} s while refit 2, waiting for the "
-                                             "engine to apply bucket 1"):
+                                             "engine to apply bucket [01]$"):
             sender.refit(random_weights(specs, 16))
         elapsed = time.monotonic() - start
         assert elapsed < TRAINER_TIMEOUT_S + SLACK_S
