@@ -9,27 +9,16 @@ block, warps) swept. ``bytesum_call`` is the whole ``ByteSum()`` call, with its 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import statistics
 
 import torch
 
+import cuda_timing
 from mxrefit import _bytesum_triton as k
 from mxrefit.bytesum import ByteSum
 
-
-def timed(fn, reps: int = 9) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+timed = functools.partial(cuda_timing.timed, reps=9)
 
 
 def bucket_views(arena: torch.Tensor) -> list[torch.Tensor]:

@@ -9,26 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 
+from cuda_timing import timed
 from mxrefit.finite_check import FiniteCheck
 from mxrefit.formats import _mxfp8_triton as k
-
-
-def timed(fn, reps: int = 7) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
 
 
 def trtllm_rows(dev: torch.device) -> dict:

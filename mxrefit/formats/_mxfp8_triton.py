@@ -28,7 +28,6 @@ from mxrefit.formats._triton_common import LaunchTable, e4m3_rne, interpreting, 
 __all__ = ["supports", "interpreting", "quantize_into", "QuantizeGroup"]
 
 
-
 @triton.jit
 def _quantize_blocks(src, dst_values, dst_scales, blk, blk_mask, MIN_BYTE: tl.constexpr, INT_ROUND: tl.constexpr, IS_BF16: tl.constexpr):
     """Quantize blocks ``blk`` (consecutive runs of 32) of one tensor; returns which were non-finite."""

@@ -99,4 +99,3 @@ class LaunchTable:
         self.src_addr.copy_(torch.tensor(addrs, dtype=torch.int64))
         self.src_addresses = addrs
         return True
-
