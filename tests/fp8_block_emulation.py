@@ -21,7 +21,7 @@ from mxrefit.formats import fp8_block
 
 
 def register_emulation_kernel() -> None:
-    """Add the emulation kernel to vLLM's CPU block-FP8 candidates (idempotent)."""
+    """Put the emulation kernel first among vLLM's CPU block-FP8 candidates (idempotent)."""
     from vllm.model_executor.kernels import linear
     from vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel import Fp8BlockScaledMMLinearKernel
     from vllm.platforms import PlatformEnum
@@ -49,7 +49,9 @@ def register_emulation_kernel() -> None:
         def apply_block_scaled_mm(self, A, B, As, Bs):
             raise NotImplementedError("the emulation dequantizes in apply_weights")
 
-    candidates.append(EmulationFp8BlockKernel)
+    # first, so AMX hosts (where vLLM's CPUFp8BlockScaledMMKernel would repack the weights) run the
+    # same kernel as every other host, whose weight stays in the checkpoint layout the tests read
+    candidates.insert(0, EmulationFp8BlockKernel)
 
 
 class EmulatedFp8BlockRefitExtension(RefitWorkerExtension):

@@ -37,6 +37,7 @@ def test_moe_refits_follow_real_training_and_are_idempotent(moe_engine):
     llm, model = moe_engine
     info = llm.collective_rpc("mxrefit_init", kwargs={"experts": "grouped"})[0]
     assert info["slow_path"] == 0, "Qwen3-MoE must take the table path, not vLLM's loader"
+    assert info["amx_safe"], "the worker would run AMX tile kernels without Linux's permission (SIGILL)"
     sender = Sender(info["address"], bytes.fromhex(info["token"]))
     try:
         trainer = vm.qwen3_moe(seed=1)  # a different init than the checkpoint vLLM loaded

@@ -54,6 +54,7 @@ import torch
 from mxrefit.devices import resolve
 from mxrefit.engines.base import Destination, Engine, ParamSpec, Shard, Target
 from mxrefit.engines.staging import StagedUnit, StagingPool
+from mxrefit.engines.vllm_cpu_amx import amx_safe, ensure_amx_usable
 from mxrefit.engines.vllm_layout import MXFP8_LAYOUT, QUANT_LAYOUTS, QuantLayout
 from mxrefit.shapes import EXPERT_LAYOUTS, ModelShape
 
@@ -572,7 +573,8 @@ class _WorkerRefit:
     def info(self) -> dict:
         return {"address": self.receiver.address, "token": self.receiver.token.hex(),
                 "slow_path": len(self.engine.slow_path), "units": len(self.engine.units),
-                "tp_rank": self.engine.tp.rank, "tp_size": self.engine.tp.size, **self.receiver.status()}
+                "tp_rank": self.engine.tp.rank, "tp_size": self.engine.tp.size, "amx_safe": amx_safe(),
+                **self.receiver.status()}
 
     def receive(self, refits: int | None = 1) -> dict:
         # serving until "shutdown" (refits=None), a trainer that goes silent for the receiver's
@@ -909,15 +911,25 @@ def _register_cpu_mxfp8_emulation() -> None:
         register_linear_kernel(EmulationMxfp8LinearKernel, PlatformEnum.CPU, "mxfp8")
 
 
+def _prepare_cpu_amx() -> None:
+    """Only vLLM's CPU build runs AMX tile kernels; GPU builds leave the CPU's state alone."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        ensure_amx_usable()
+
+
 _REGISTERED = False
 
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: the "mxrefit" weight-transfer backend (worker and
-    trainer factories) and, on CPU, the MXFP8 emulation linear kernel. Idempotent."""
+    trainer factories) and, on CPU, the MXFP8 emulation linear kernel and AMX tile permission
+    (``vllm_cpu_amx``: without it vLLM's CPU workers die with SIGILL on AMX hosts). Idempotent."""
     global _REGISTERED
     if _REGISTERED:
         return
+    _prepare_cpu_amx()
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
     worker_cls, trainer_cls = _engine_classes()
