@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# A real vLLM 0.26.0 on the H200 (issue 22), carried in parts as ../shared/vllm-h200/README.md says.
+# Once, here, in the repo root:
+#   echo /.vwhl/ >> .git/info/exclude; mkdir -p .vwhl; cp -r /work/shared/vllm-h200/p? .vwhl/
+# Then three device calls back to back (a machine idle for ~30 s is given back, with what it holds):
+#   1. carry [".vwhl/p1"]:            bash scripts/gpu_vllm.sh p1
+#   2. carry [".vwhl/p3"]:            bash scripts/gpu_vllm.sh p3          (MoE kernels)
+#   3. carry [".vwhl/p2",".vwhl/p4"]: bash scripts/gpu_vllm.sh install oracle,moehang
+# and later calls on the same machine: bash scripts/gpu_vllm.sh run PARTS (install is skipped when done).
+# PARTS, comma-separated (run concurrently, each in its own process tree):
+#   oracle   dense Qwen3 BF16 + MXFP8 (worker extension), MXFP8 (weight-transfer backend), Qwen3-MoE BF16:
+#            three refits after AdamW steps, each checked against a fresh vLLM from a checkpoint (vllm_oracle.py)
+#   fp8      dense Qwen3 FP8-block (Fp8Config) through the worker extension, same check
+#   moehang  the Qwen3-MoE MXFP8 start, stacks of every process at a deadline (vllm_moe_hang.py), and the
+#            MoE MXFP8 oracle run with moe_backend=triton
+#   headline Qwen3-30B-A3B shapes, dummy weights: mxrefit vs vLLM's own IPC path (vllm_headline.py)
+# Everything lands in /tmp/res, packed at the end into $OUT/vllm_h200_<parts>.tar.gz, plus $OUT/summary.txt.
+set -uo pipefail
+step=${1:?p1|p3|install|run}
+PARTS=${2:-}
+case $step in
+  p1|p3) mkdir -p /root/vwhl && cp -f .vwhl/$step/* /root/vwhl/ && ls -la /root/vwhl; exit ;;
+  install|run) ;;
+  *) echo "unknown step $step"; exit 2 ;;
+esac
+if [[ ! -d /tmp/site/vllm ]]; then
+  [[ $step == install ]] || { echo "vLLM is not installed on this machine: start again with p1"; exit 3; }
+  mkdir -p /root/vwhl && cp -f .vwhl/p2/* /root/vwhl/ && python3 /root/vwhl/vinstall.py /root/vwhl /tmp/site || exit 3
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site2 .vwhl/p4/*.whl || exit 3
+fi
+# mxrefit is on PYTHONPATH, not pip-installed, so its vllm.general_plugins entry point (pyproject.toml)
+# is not registered: a minimal .dist-info on the path declares it, so vLLM's own processes load the
+# "mxrefit" weight-transfer backend as they would from an installed mxrefit.
+mkdir -p /tmp/site3/mxrefit_plugin-0.0.dist-info
+printf 'Metadata-Version: 2.1\nName: mxrefit-plugin\nVersion: 0.0\n' > /tmp/site3/mxrefit_plugin-0.0.dist-info/METADATA
+printf '[vllm.general_plugins]\nmxrefit = mxrefit.engines.vllm:register\n' > /tmp/site3/mxrefit_plugin-0.0.dist-info/entry_points.txt
+export PYTHONPATH=/tmp/site:/tmp/site2:/tmp/site3:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 \
+  HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TVM_FFI_DISABLE_TORCH_C_DLPACK=1 PYTHONUNBUFFERED=1 \
+  TORCHINDUCTOR_COMPILE_THREADS=1 VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-INFO}
+[[ -n $PARTS ]] || exit 0
+RES=/tmp/res; mkdir -p $RES
+nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv | tee $RES/gpu.txt
+python3 -c "import torch, vllm; print('torch', torch.__version__, 'vllm', vllm.__version__)" 2>&1 | tail -1 | tee -a $RES/gpu.txt
+has() { [[ ",$PARTS," == *",$1,"* ]]; }
+pids=()
+oracle() {  # oracle TAG ARGS...: one vllm_oracle.py run in the background
+  local tag=$1; shift
+  timeout ${ORACLE_TIMEOUT:-480} python3 scripts/vllm_oracle.py run --json $RES/oracle_$tag.json --work /tmp/oracle "$@" \
+    > $RES/oracle_$tag.log 2>&1 &
+  pids+=($!)
+}
+if has oracle; then
+  oracle dense_bf16_ext --model dense --fmt bf16 --via ext
+  oracle dense_mxfp8_ext --model dense --fmt mxfp8 --via ext
+  oracle dense_mxfp8_wt --model dense --fmt mxfp8 --via wt
+  oracle moe_bf16_ext --model moe --fmt bf16 --via ext
+fi
+has fp8 && oracle dense_fp8block_ext --model dense --fmt fp8-block --via ext
+if has moehang; then
+  timeout 400 python3 scripts/vllm_moe_hang.py --timeout ${HANG_S:-150} --variants ${HANG_VARIANTS:-auto,auto-eager,triton} \
+    --log $RES/moe_hang.log --json $RES/moe_hang.json > $RES/moe_hang.out 2>&1 &
+  pids+=($!)
+  oracle moe_mxfp8_triton_ext --model moe --fmt mxfp8 --via ext --moe-backend triton
+fi
+if has headline; then
+  PYTHONPATH=$PYTHONPATH:$PWD/scripts/vllm_hooks/noray timeout ${HEADLINE_TIMEOUT:-500} python3 scripts/vllm_headline.py \
+    --fmts ${HEADLINE_FMTS:-mxfp8,bf16} ${HEADLINE_ARGS:-} --json $RES/headline.json > $RES/headline.log 2>&1 &
+  pids+=($!)
+fi
+for p in "${pids[@]}"; do wait $p; done
+{
+  for f in $RES/oracle_*.log $RES/moe_hang.out $RES/headline.log; do
+    [[ -f $f ]] || continue
+    echo "== $(basename $f)"; grep -E "oracle:|moe_hang:|headline:|Error|error:" $f | grep -v "^\s*$" | tail -14
+  done
+} > $RES/summary.txt 2>&1
+cp $RES/summary.txt $OUT/summary.txt
+tar -czf $OUT/vllm_h200_${PARTS//,/_}.tar.gz -C $RES . 2>/dev/null
+cat $OUT/summary.txt
