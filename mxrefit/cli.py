@@ -48,8 +48,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(the engine receives into a shadow and commits a complete refit)")
     b.add_argument("--bucket-mb", type=int, default=512, help="transfer bucket size (raised to the largest tensor)")
     b.add_argument("--format", default="mxfp8", choices=FORMATS,
-                   help="engine's quantized format: MXFP8 (ModelOpt) or 128x128 block FP8 (Fp8Config; float32 or "
-                        "power-of-two scales)")
+                   help="engine's weight format: MXFP8 (ModelOpt), 128x128 block FP8 (Fp8Config; float32 or "
+                        "power-of-two scales), or BF16 (no quantization, what most RL stacks serve)")
     b.add_argument("--post", default=None, choices=("trtllm", "none"),
                    help="engine post-load layout: FlashInfer TRT-LLM (MoE shuffle, scale swizzle; MXFP8 only, its "
                         "default) or none (FP8-block's default and only choice)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -89,3 +90,36 @@ def test_bench_refuses_trtllm_post_for_fp8_block():
     )
     assert run.returncode == 2
     assert "post 'trtllm' is FlashInfer's TRT-LLM MXFP8 layout; fp8-block has no post-process here" in run.stderr
+
+
+def test_bench_bf16_engine_and_a_table_that_reads_in_80_columns(tmp_path):
+    """`--format bf16` (what most RL stacks serve): both modes move the BF16 bytes, the engine's
+    bytes are the trainer's, and the table fits 80 and 120 columns with no header or cell cut."""
+    from rich.console import Console
+
+    from mxrefit.bench.report import print_table
+
+    out = tmp_path / "bf16.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "mxrefit", "bench", "--format", "bf16", "--steps", "1", "--no-progress", "--json", str(out)],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": "80"},
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert (result["format"], result["post"]) == ("bf16", "none")
+    pre, base = result["modes"]["prequant"], result["modes"]["baseline"]
+    assert pre["check"]["mismatched"] == [] and pre["check"]["tensors_checked"] >= 10
+    assert base["bytes"] == result["trainer_bf16_bytes"] == result["engine_bytes"]
+    assert 0 <= pre["bytes"] - base["bytes"] < 512 * result["tensors"]  # only the runs' 512-byte alignment
+    assert "…" not in run.stdout and "quantize/pack, ms" in run.stdout and "identical" in run.stdout
+    # the widest table the CLI prints: four modes (--mode all / checks add two) and the floor
+    for name in ("prequant-buffers", "prequant-transactional"):
+        result["modes"][name] = {**pre, "transport": "buffers"}
+    for width in (80, 120):
+        console = Console(width=width, record=True, file=open(os.devnull, "w"))
+        print_table(result, console)
+        text = console.export_text()
+        assert "…" not in text, text
+        assert max(len(line) for line in text.splitlines()) <= width
+        for word in ("transactional", "buffers", "(direct)", "copy", "floor", "trainer peak+, GiB", "x copy floor"):
+            assert word in text, (word, text)

@@ -12,6 +12,8 @@ qkv / w13 / w2; embeddings, router, norms, lm_head BF16):
   (``post="none"``, required): Hopper's generic block kernel (CUTLASS/Triton) reads the
   checkpoint layout as loaded; DeepGEMM's UE8M0 re-quantization and scale re-layout is not
   modelled.
+- ``bf16``: every weight in BF16, as most RL stacks serve today (fused qkv / w13 / w2 still);
+  the refit is a copy into the fused layout. No post-process.
 Modes:
 - ``baseline``: BF16 over the wire, buffers and handles new each step, the engine quantizes
   tensor by tensor (``baseline.quantize_as``), then post-processes expert by expert
@@ -49,11 +51,11 @@ ALL_MODES = ("baseline", "prequant", "prequant-buffers")
 # what the safety options cost: per-bucket integrity sums, and receiving into a shadow committed whole
 CHECK_MODES = ("prequant", "prequant-verify", "prequant-transactional")
 POST = ("trtllm", "none")
-FORMATS = ("mxfp8", "fp8-block", "fp8-block-ue8m0")
+FORMATS = ("mxfp8", "fp8-block", "fp8-block-ue8m0", "bf16")
 
 
 def resolve_post(fmt: str, post: str | None) -> str:
-    """The engine's post-load layout for ``fmt``: by default TRT-LLM's for MXFP8, none for FP8-block."""
+    """The engine's post-load layout for ``fmt``: by default TRT-LLM's for MXFP8, none otherwise."""
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
     if post is None:
@@ -61,11 +63,11 @@ def resolve_post(fmt: str, post: str | None) -> str:
     if post not in POST:
         raise ValueError(f"post must be one of {POST}, got {post!r}")
     if post == "trtllm" and fmt != "mxfp8":
-        raise ValueError(
-            f"post 'trtllm' is FlashInfer's TRT-LLM MXFP8 layout; {fmt} has no post-process here (Hopper's generic "
-            f"block kernel reads the checkpoint layout as loaded; DeepGEMM's UE8M0 re-layout is not modelled): "
-            f"use post 'none'"
-        )
+        why = ("a BF16 engine's kernels read its weights as loaded" if fmt == "bf16" else
+               "Hopper's generic block kernel reads the checkpoint layout as loaded; DeepGEMM's UE8M0 re-layout is "
+               "not modelled")
+        raise ValueError(f"post 'trtllm' is FlashInfer's TRT-LLM MXFP8 layout; {fmt} has no post-process here ({why}): "
+                         f"use post 'none'")
     return post
 
 
