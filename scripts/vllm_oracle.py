@@ -147,6 +147,8 @@ def compare(got: dict, want: dict) -> dict:
 
 
 def start_llm(args, path: str, **extra):
+    # one compile cache per engine: many engines start at once here, from same-shaped models
+    os.environ["VLLM_CACHE_ROOT"] = f"/tmp/vllm_cache/{os.getpid()}"
     from vllm import LLM
 
     return LLM(model=path, **engine_kwargs(args), **extra)
