@@ -57,9 +57,11 @@ if has oracle; then
 fi
 has fp8 && oracle dense_fp8block_ext --model dense --fmt fp8-block --via ext
 if has moehang; then
-  timeout 400 python3 scripts/vllm_moe_hang.py --timeout ${HANG_S:-150} --variants ${HANG_VARIANTS:-auto,auto-eager,triton} \
+  MXREFIT_FAULTHANDLER_S=${HANG_DUMP_S:-20} timeout 400 python3 scripts/vllm_moe_hang.py --timeout ${HANG_S:-170} \
+    --variants ${HANG_VARIANTS:-auto-profile,auto-eager-tokens-scale,triton-eager-tokens-scale,bf16-eager-tokens-scale} \
     --log $RES/moe_hang.log --json $RES/moe_hang.json > $RES/moe_hang.out 2>&1 &
   pids+=($!)
+  oracle moe_mxfp8_ext --model moe --fmt mxfp8 --via ext --max-batched-tokens 512
   oracle moe_mxfp8_triton_ext --model moe --fmt mxfp8 --via ext --moe-backend triton
 fi
 if has headline; then
@@ -71,7 +73,7 @@ for p in "${pids[@]}"; do wait $p; done
 {
   for f in $RES/oracle_*.log $RES/moe_hang.out $RES/headline.log; do
     [[ -f $f ]] || continue
-    echo "== $(basename $f)"; grep -E "oracle:|moe_hang:|headline:|Error|error:" $f | grep -v "^\s*$" | tail -14
+    echo "== $(basename $f)"; grep -E "oracle:|moe_hang:|headline:|VARIANT-|Error|error:" $f | grep -v "^\s*$" | tail -14
   done
 } > $RES/summary.txt 2>&1
 cp $RES/summary.txt $OUT/summary.txt

@@ -12,10 +12,14 @@ and every stack dump.
     python3 scripts/vllm_moe_hang.py --timeout 120 --log $OUT/moe_hang.log --json $OUT/moe_hang.json \
         --variants auto,auto-eager,triton
 
-Variants: ``auto`` (vLLM's choice, CUDA graphs on), ``auto-eager``, ``triton`` (``moe_backend=
-"triton"``: vLLM's MXFP8 emulation, weights dequantized to BF16 once at load), ``marlin``,
-``humming``, ``bf16`` (the same model in BF16). A variant may end in ``:inproc``
+Variants: a base, then flags joined by "-". Bases: ``auto`` (vLLM's choice: Marlin on Hopper),
+``triton`` (``moe_backend="triton"``: vLLM's MXFP8 emulation, dequantized per forward), ``marlin``,
+``humming``, ``bf16`` (the same model in BF16). Flags: ``eager`` (``enforce_eager``), ``profile``
+(the hung start's settings: ``gpu_memory_utilization=0.3``, ``max_model_len=512``, vLLM profiles
+memory; otherwise a fixed ``kv_cache_memory_bytes`` skips the profiling), ``tokens``
+(``max_num_batched_tokens=$HANG_BATCHED_TOKENS``, default 512). A variant may end in ``:inproc``
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: engine core and worker in the script's own process).
+With ``MXREFIT_FAULTHANDLER_S`` set every process also dumps its stacks periodically.
 """
 
 from __future__ import annotations
@@ -56,18 +60,40 @@ def child(args) -> int:
     """One variant: start vLLM, generate, report."""
     t0 = time.time()
     variant = args.variant.split(":")[0]
+    base, *flags = variant.split("-")
     from vllm import LLM, SamplingParams
 
     kw = dict(skip_tokenizer_init=True, dtype="bfloat16", max_model_len=256, max_num_seqs=8, seed=0,
               gpu_memory_utilization=0.05, kv_cache_memory_bytes=1 << 30, attention_config={"backend": "FLASH_ATTN"})
-    if variant.endswith("eager"):
+    if "profile" in flags:  # the settings of the start that hung (shared/vllm-h200 vsmoke.py): vLLM profiles memory
+        kw.update(gpu_memory_utilization=0.3, max_model_len=512)
+        del kw["kv_cache_memory_bytes"]
+    if "eager" in flags:
         kw["enforce_eager"] = True
     else:
         kw["compilation_config"] = {"cudagraph_capture_sizes": [1, 2, 4, 8]}
-    if variant in ("triton", "marlin", "humming"):
-        kw["moe_backend"] = variant
+    if "tokens" in flags:  # a smaller token budget: the warm-up / profile forward runs this many tokens
+        kw["max_num_batched_tokens"] = int(os.environ.get("HANG_BATCHED_TOKENS", "512"))
+    if base in ("triton", "marlin", "humming"):
+        kw["moe_backend"] = base
+    if "scale" in flags:  # room for the longest prompt timed below
+        kw["max_model_len"] = 1024
     llm = LLM(model=args.ckpt, **kw)
     up = time.time() - t0
+    if "scale" in flags:  # prefill time against prompt length: how the MoE forward scales with tokens
+        budget = kw.get("max_num_batched_tokens", 2048)
+        sp1 = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+        for n in (16, 64, 256, 512, 1000):
+            if n > budget or n >= kw["max_model_len"]:
+                continue
+            times = []
+            for rep in range(3):
+                prompt = [(7 * i + rep) % 1000 + 3 for i in range(n)]
+                t1 = time.perf_counter()
+                llm.generate([{"prompt_token_ids": prompt}], sp1, use_tqdm=False)
+                times.append(time.perf_counter() - t1)
+            print(f"VARIANT-SCALE {args.variant} prompt {n} tokens: prefill {min(times) * 1e3:.1f} ms "
+                  f"(first {times[0] * 1e3:.1f} ms)", flush=True)
     out = llm.generate([{"prompt_token_ids": [1, 5, 9, 42, 7]}],
                        SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
     print(f"VARIANT-OK {args.variant} up {up:.1f}s tokens {list(out[0].outputs[0].token_ids)}", flush=True)
@@ -148,7 +174,7 @@ def main() -> int:
             with open(os.path.join(r["dir"], "out.txt"), errors="replace") as f:
                 lines = f.readlines()
             keep = [ln for ln in lines if any(k in ln for k in ("MoE", "moe", "Marlin", "marlin", "backend", "Error",
-                                                                "error", "VARIANT-OK", "Traceback", "kernel"))]
+                                                                "error", "VARIANT-", "Traceback", "kernel", "took"))]
             log.write("".join(keep[-60:]))
             log.write("---- last 40 lines ----\n" + "".join(lines[-40:]))
             for fh in sorted(glob.glob(os.path.join(r["dir"], "fh_*.txt"))):
@@ -157,8 +183,12 @@ def main() -> int:
                 if "most recent call first" in text:
                     log.write(f"---- {os.path.basename(fh)} ----\n{text}")
             r["tail"] = "".join(lines[-8:])
+            r["variant_lines"] = [ln.strip() for ln in lines if "VARIANT-" in ln or "warmup run took" in ln
+                                  or "init engine" in ln]
     for variant, r in results.items():
         print(f"moe_hang: {variant}: {r['outcome']} in {r['seconds']} s")
+        for ln in r.get("variant_lines", []):
+            print(f"moe_hang:   {ln[-160:]}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

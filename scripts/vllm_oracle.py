@@ -118,6 +118,8 @@ def engine_kwargs(args) -> dict:
         kw["compilation_config"] = {"cudagraph_capture_sizes": [1, 2, 4, 8]}
     if args.moe_backend:
         kw["moe_backend"] = args.moe_backend
+    if args.max_batched_tokens:
+        kw["max_num_batched_tokens"] = args.max_batched_tokens
     return kw
 
 
@@ -189,6 +191,8 @@ def oracle_cmd(args, ckpt: str, out: str) -> list[str]:
         cmd.append("--eager")
     if args.moe_backend:
         cmd += ["--moe-backend", args.moe_backend]
+    if args.max_batched_tokens:
+        cmd += ["--max-batched-tokens", str(args.max_batched_tokens)]
     return cmd
 
 
@@ -344,6 +348,8 @@ def main() -> int:
     p.add_argument("--eager", action="store_true", help="enforce_eager (default: CUDA graphs on)")
     p.add_argument("--attn", default="FLASH_ATTN")
     p.add_argument("--moe-backend", default=None, help="vLLM's moe_backend (default: auto)")
+    p.add_argument("--max-batched-tokens", type=int, default=None,
+                   help="max_num_batched_tokens (vLLM's warm-up forward runs this many tokens)")
     p.add_argument("--kv-bytes", type=int, default=1 << 30)
     p.add_argument("--gpu-util", type=float, default=0.05)
     p.add_argument("--refits", type=int, default=3)
