@@ -27,6 +27,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -36,8 +37,12 @@ PROMPT_LEN = 4
 PAD, EOS = "<pad>", "<eos>"  # ids 510 and 511: the last two words of the vocabulary
 
 
-def build_policy(path: str, seed: int) -> None:
-    """A tiny Qwen3 and its word-level tokenizer, saved as a BF16 checkpoint at ``path``."""
+def build_policy(path: str, seed: int, warmup_steps: int = 16) -> None:
+    """A tiny Qwen3 and its word-level tokenizer, saved as a BF16 checkpoint at ``path``.
+
+    Why ``warmup_steps``: a few AdamW steps on a toy sequence task (after t comes 7t + 3 mod 510)
+    make greedy decoding decisive, so vLLM's and HF's greedy tokens can be compared although
+    their BF16 kernels round differently (a random init's near-uniform logits tie)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
@@ -49,7 +54,18 @@ def build_policy(path: str, seed: int) -> None:
     cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=128,
                       tie_word_embeddings=False, eos_token_id=VOCAB - 1, pad_token_id=VOCAB - 2, bos_token_id=None)
-    Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    model = Qwen3ForCausalLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(warmup_steps):
+        seq = [torch.randint(0, VOCAB - 2, (16, 1), generator=g)]
+        for _ in range(11):
+            seq.append((seq[-1] * 7 + 3) % (VOCAB - 2))
+        ids = torch.cat(seq, dim=1)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    model.to(torch.bfloat16).save_pretrained(path)
     tokenizer.save_pretrained(path)
 
 
@@ -78,12 +94,28 @@ def trainer_class(sync: str) -> type:
     return StaleTrainer
 
 
-def engine_greedy(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+def engine_outputs(llm, prompts: list[list[int]], max_tokens: int) -> dict:
+    """vLLM's greedy completions and its log-probability of every token of prompt + completion."""
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    return [list(o.outputs[0].token_ids) for o in
-            llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    tokens = [list(o.outputs[0].token_ids) for o in
+              llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)]
+    seqs = [p + t for p, t in zip(prompts, tokens)]
+    scored = llm.generate([{"prompt_token_ids": s} for s in seqs], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                          use_tqdm=False)
+    logprobs = [[o.prompt_logprobs[i][t].logprob for i, t in enumerate(s) if i > 0] for s, o in zip(seqs, scored)]
+    return {"tokens": tokens, "logprobs": logprobs}
+
+
+@torch.no_grad()
+def hf_outputs(model: torch.nn.Module, prompts: list[list[int]], max_tokens: int) -> dict:
+    """The same from HF ``generate`` and a forward pass."""
+    out = model.generate(torch.tensor(prompts), do_sample=False, max_new_tokens=max_tokens,
+                         min_new_tokens=max_tokens, pad_token_id=VOCAB - 2)
+    logits = model(input_ids=out).logits[:, :-1].float()
+    logprobs = torch.log_softmax(logits, dim=-1).gather(2, out[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return {"tokens": out[:, len(prompts[0]):].tolist(), "logprobs": logprobs.tolist()}
 
 
 @torch.no_grad()
@@ -106,31 +138,25 @@ def as_engine_holds(policy: torch.nn.Module, fmt: str) -> torch.nn.Module:
     return model
 
 
-@torch.no_grad()
-def hf_greedy(model: torch.nn.Module, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    out = model.generate(torch.tensor(prompts), do_sample=False, max_new_tokens=max_tokens,
-                         min_new_tokens=max_tokens, pad_token_id=VOCAB - 2)
-    return out[:, len(prompts[0]):].tolist()
+def reload_reference(generation, fmt: str) -> None:
+    """vLLM's own loader (``reload_weights``) fed TRL's parameter walk; for MXFP8 the walk's
+    eligible weights become E4M3 values + scales, as in a ModelOpt MXFP8 checkpoint."""
+    from mxrefit.checkpoint import SCALE_SUFFIX
+    from mxrefit.eligibility import DEFAULT_RULES
+    from mxrefit.formats import mxfp8
 
+    quantized = DEFAULT_RULES.decide((n, tuple(t.shape)) for n, t in generation._iter_named_params())
 
-def reload_reference(trainer, fmt: str, workdir: str) -> None:
-    """vLLM's own loader, fed TRL's parameter walk (MXFP8: the final policy's MXFP8 checkpoint)."""
-    generation = trainer.vllm_generation
-    if fmt == "mxfp8":
-        from safetensors.torch import load_file
+    def walk() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in generation._iter_named_params():
+            if fmt == "mxfp8" and quantized[name]:
+                values, scales = mxfp8.quantize(t.contiguous(), name=name)
+                yield name, values
+                yield name + SCALE_SUFFIX, scales
+            else:
+                yield name, t
 
-        from mxrefit.checkpoint import save_mxfp8_checkpoint
-
-        path = os.path.join(workdir, "final-mxfp8")
-        save_mxfp8_checkpoint(as_engine_holds(trainer.accelerator.unwrap_model(trainer.model), "bf16"), path)
-        tensors = {}
-        for f in sorted(os.listdir(path)):
-            if f.endswith(".safetensors"):
-                tensors.update(load_file(os.path.join(path, f)))
-        weights = iter(tensors.items())
-    else:
-        weights = generation._iter_named_params()
-    generation.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+    generation.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": walk()})
     generation.llm.reset_prefix_cache()
 
 
@@ -169,12 +195,12 @@ def run(args: argparse.Namespace) -> dict:
               "steps": [h for h in trainer.state.log_history if "loss" in h],
               "refits": [{"version": r.version, "bytes": r.bytes, "transport": r.transport, "total_s": r.total_s,
                           "sync_s": r.extra.get("sync_s")} for r in getattr(trainer, "refit_reports", [])],
-              "greedy_prompts": prompt_ids}
-    result["greedy_engine"] = engine_greedy(generation.llm, prompt_ids, args.new_tokens)
-    result["greedy_hf"] = hf_greedy(as_engine_holds(trainer.accelerator.unwrap_model(trainer.model), args.format),
-                                    prompt_ids, args.new_tokens)
-    reload_reference(trainer, args.format, workdir)
-    result["greedy_reload"] = engine_greedy(generation.llm, prompt_ids, args.new_tokens)
+              "prompts": prompt_ids}
+    result["engine"] = engine_outputs(generation.llm, prompt_ids, args.new_tokens)
+    result["hf"] = hf_outputs(as_engine_holds(trainer.accelerator.unwrap_model(trainer.model), args.format),
+                              prompt_ids, args.new_tokens)
+    reload_reference(generation, args.format)
+    result["reload"] = engine_outputs(generation.llm, prompt_ids, args.new_tokens)
     if hasattr(generation, "close"):
         generation.close()
     return result
@@ -202,8 +228,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"step {s['step']}: reward {s.get('reward', float('nan')):.3f} "
               f"logp diff max {s.get('sampling/sampling_logp_difference/max', float('nan')):.4f} "
               f"refit version {s.get('mxrefit/version')} {s.get('mxrefit/refit_ms', float('nan')):.1f} ms")
-    print("greedy equal: engine/reload", result["greedy_engine"] == result["greedy_reload"],
-          "engine/hf", result["greedy_engine"] == result["greedy_hf"])
+    for ref in ("reload", "hf"):
+        gap = max(abs(a - b) for x, y in zip(result["engine"]["logprobs"], result[ref]["logprobs"]) for a, b in zip(x, y))
+        print(f"engine vs {ref}: greedy tokens equal {result['engine']['tokens'] == result[ref]['tokens']}, "
+              f"largest logprob difference {gap:.2e}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -38,14 +38,16 @@ class TrlIntegrationError(RuntimeError):
     """TRL or its configuration is outside what this integration supports."""
 
 
-def check_trl_version() -> str:
-    """The installed TRL version, or TrlIntegrationError: the integration replaces TRL internals
-    (vLLM start-up, weight sync) that TRL changes between minor versions."""
-    try:
-        found = version("trl")
-    except PackageNotFoundError as err:
-        raise TrlIntegrationError("mxrefit.integrations.trl needs TRL: pip install 'mxrefit[trl]' "
-                                  f"(trl {TESTED_TRL})") from err
+def check_trl_version(found: str | None = None) -> str:
+    """``found`` (default: the installed TRL's version) if supported, else TrlIntegrationError:
+    the integration replaces TRL internals (vLLM start-up, weight sync) that TRL changes between
+    minor versions."""
+    if found is None:
+        try:
+            found = version("trl")
+        except PackageNotFoundError as err:
+            raise TrlIntegrationError("mxrefit.integrations.trl needs TRL: pip install 'mxrefit[trl]' "
+                                      f"(trl {TESTED_TRL})") from err
     if not found.startswith(SUPPORTED_TRL):
         raise TrlIntegrationError(
             f"mxrefit.integrations.trl supports trl {', '.join(v + 'x' for v in SUPPORTED_TRL)} (tested with "
