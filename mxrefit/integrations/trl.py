@@ -183,6 +183,12 @@ def _classes() -> tuple[type, type]:
             finally:
                 args.use_vllm = True
             self.use_vllm = True
+            if self.accelerator.device.type != "cpu":
+                raise TrlIntegrationError(
+                    f"device {self.accelerator.device}: TRL's colocated vLLM runs in the trainer's own process, and "
+                    "mxrefit's device transports (CUDA IPC) cannot open memory in the process that exported it; "
+                    "until mxrefit has a same-process device path this integration runs on CPU only "
+                    "(docs/integrations.md, TRL)")
             self.refit_format = refit_format
             self._logged_reports = 0
             policy = self.accelerator.unwrap_model(self.model)
