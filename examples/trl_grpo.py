@@ -176,8 +176,8 @@ def run(args: argparse.Namespace) -> dict:
         vllm_gpu_memory_utilization=0.05, per_device_train_batch_size=args.prompts * args.group,
         num_generations=args.group, max_completion_length=args.new_tokens, max_steps=args.steps,
         learning_rate=args.lr, beta=0.0, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True,
-        bf16=False, gradient_checkpointing=False, seed=args.seed, data_seed=args.seed, shuffle_dataset=False, disable_tqdm=True,
-        generation_kwargs={"ignore_eos": True})
+        bf16=False, gradient_checkpointing=False, seed=args.seed, data_seed=args.seed, shuffle_dataset=False,
+        disable_tqdm=True, generation_kwargs={"ignore_eos": True})
     model = AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32)  # FP32 master weights
     tokenizer = AutoTokenizer.from_pretrained(policy_path)
     # enforce_eager: vLLM's CPU build would otherwise compile its graphs (about 40 s here)
@@ -229,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
               f"logp diff max {s.get('sampling/sampling_logp_difference/max', float('nan')):.4f} "
               f"refit version {s.get('mxrefit/version')} {s.get('mxrefit/refit_ms', float('nan')):.1f} ms")
     for ref in ("reload", "hf"):
-        gap = max(abs(a - b) for x, y in zip(result["engine"]["logprobs"], result[ref]["logprobs"]) for a, b in zip(x, y))
+        pairs = zip(result["engine"]["logprobs"], result[ref]["logprobs"])
+        gap = max(abs(a - b) for x, y in pairs for a, b in zip(x, y))
         print(f"engine vs {ref}: greedy tokens equal {result['engine']['tokens'] == result[ref]['tokens']}, "
               f"largest logprob difference {gap:.2e}")
     if args.json:

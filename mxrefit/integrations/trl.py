@@ -167,8 +167,9 @@ def _classes() -> tuple[type, type]:
         ``"mxfp8"`` (vLLM starts from ``save_mxfp8_checkpoint`` of the policy, written under
         ``engine_checkpoint_dir``, default ``<output_dir>/mxrefit-mxfp8``; refits quantize on the
         trainer). ``llm_kwargs``: further ``vllm.LLM`` arguments (e.g. ``enforce_eager=True``),
-        which TRL's own start-up has no way to take. Every refit's ``RefitReport`` is in ``refit_reports``; the logs get
-        ``mxrefit/version``, ``mxrefit/refit_ms`` and ``mxrefit/bytes``.
+        which TRL's own start-up has no way to take. Every refit's ``RefitReport`` is in
+        ``refit_reports``; the logs get ``mxrefit/version``, ``mxrefit/refit_ms`` and
+        ``mxrefit/bytes``. ``vllm_generation.close()`` closes the refit channel when done.
         """
 
         generation_class = MxrefitVLLMGeneration
