@@ -1,18 +1,20 @@
 """TRL's GRPOTrainer with its colocated vLLM refitted through mxrefit (CPU, a few minutes).
 
-A tiny Qwen3 (2 layers, hidden 128, vocabulary 512, random init, FP32 master weights) with a
-word-level tokenizer built with ``tokenizers`` (words ``t0`` .. ``t511``), 4 prompts of 4 random
-words, 4 completions of 8 tokens each, a toy reward (the fraction of completion tokens whose id is
+A tiny Qwen3 (2 layers, hidden 128, vocabulary 512, 16 warm-up LM steps, FP32 master weights)
+with a word-level tokenizer built with ``tokenizers`` (words ``t0`` .. ``t509``, pad, eos), 4
+prompts of 4 random words, 4 completions of 8 tokens each, a toy reward (the fraction of completion tokens whose id is
 a multiple of 16), ``--steps`` GRPO steps of TRL's real ``GRPOTrainer`` with ``use_vllm=True,
 vllm_mode="colocate"``: every step starts with one mxrefit refit of the policy into vLLM.
 
 After training the engine gets one last refit (the final weights) and the script records vLLM's
-greedy completions three ways: after that refit; after TRL's own parameter walk (MXFP8: the
-``save_mxfp8_checkpoint`` of the final policy) fed through vLLM's own ``reload_weights``; and HF
-``generate`` on the trainer's weights as vLLM holds them (BF16, or MXFP8 round-tripped).
+greedy completions, and the log-probabilities of prompt + completion, three ways: after that
+refit; after TRL's own parameter walk (MXFP8: quantized as a ModelOpt checkpoint) fed through
+vLLM's own ``reload_weights``; and HF ``generate`` on the trainer's weights as vLLM holds them
+(BF16, or MXFP8 round-tripped).
 
 ``--sync``: ``mxrefit`` (``MxrefitGRPOTrainer``), ``trl`` (plain ``GRPOTrainer``, TRL's own
-per-tensor ``load_weights``; it fails on vLLM 0.32's CPU build, see docs/integrations.md) or
+per-tensor ``load_weights``, which fails on vLLM 0.32's CPU build where it prepacks linear
+weights, see docs/integrations.md) or
 ``none`` (mxrefit's engine set-up with refits disabled: vLLM keeps sampling the step-0 weights,
 the control the test runs).
 
