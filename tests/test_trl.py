@@ -112,7 +112,6 @@ def test_grpo_trainer_refits_vllm_through_mxrefit(tmp_path, fmt):
             check(control)
 
 
-@pytest.mark.vllm
 def test_unsupported_settings_are_refused_before_vllm_starts(tmp_path):
     require("trl")
     from trl import GRPOConfig
