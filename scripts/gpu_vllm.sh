@@ -10,6 +10,7 @@
 # PARTS, comma-separated (run concurrently, each in its own process tree):
 #   oracle   dense Qwen3 BF16 + MXFP8 (worker extension), MXFP8 (weight-transfer backend), Qwen3-MoE BF16:
 #            three refits after AdamW steps, each checked against a fresh vLLM from a checkpoint (vllm_oracle.py)
+#   mx       dense Qwen3 MXFP8 (worker extension) alone: the Marlin workspace check
 #   fp8      dense Qwen3 FP8-block (Fp8Config) through the worker extension, same check
 #   moehang  the Qwen3-MoE MXFP8 start, stacks of every process at a deadline (vllm_moe_hang.py), and the
 #            MoE MXFP8 oracle run with moe_backend=triton
@@ -55,6 +56,7 @@ if has oracle; then
   oracle dense_mxfp8_wt --model dense --fmt mxfp8 --via wt
   oracle moe_bf16_ext --model moe --fmt bf16 --via ext
 fi
+has mx && oracle dense_mxfp8_ext --model dense --fmt mxfp8 --via ext
 has fp8 && oracle dense_fp8block_ext --model dense --fmt fp8-block --via ext
 if has moehang; then
   MXREFIT_FAULTHANDLER_S=${HANG_DUMP_S:-20} timeout 400 python3 scripts/vllm_moe_hang.py --timeout ${HANG_S:-170} \

@@ -289,7 +289,9 @@ def _process_with_vllm(module: torch.nn.Module, staged: dict[str, torch.Tensor])
         delattr(module, "_already_called_process_weights_after_loading")
     qm = module.quant_method
     first_load_kernel = getattr(qm, "moe_kernel", None) is None
+    scratch = _plain_tensor_attrs(module)
     qm.process_weights_after_loading(module)
+    _keep_tensor_addresses(module, scratch)
     if not first_load_kernel and _replays_expert_prepack(qm):
         # vLLM 0.32's unquantized MoE runs its experts' own post-load step (CPU: pad and prepack
         # into the grouped-GEMM layout) only when it first builds the kernel, so a reload leaves
@@ -300,6 +302,31 @@ def _process_with_vllm(module: torch.nn.Module, staged: dict[str, torch.Tensor])
     info.loaded_weights = [(attr, None) for attr in staged]
     _copy_and_restore_kernel_tensors(module, info)
     info.reset()
+
+
+def _plain_tensor_attrs(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Tensors a module holds as plain attributes (not parameters or buffers), e.g. the Marlin
+    kernels' ``workspace`` (vLLM 0.26 on Hopper), which CUDA graphs captured by address."""
+    return {k: v for k, v in vars(module).items() if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter)}
+
+
+def _keep_tensor_addresses(module: torch.nn.Module, before: dict[str, torch.Tensor]) -> None:
+    """``process_weights_after_loading`` makes such attributes anew (Marlin: a zeroed lock
+    workspace) and the old tensor is freed while captured CUDA graphs still point at it: their
+    kernels then read whatever reuses that memory (seen on the H200 with vLLM 0.26: outputs that
+    drift from a fresh vLLM's after the third refit). Copy the new values into the old storage
+    and put the old tensor back, as vLLM's reload does for parameters and buffers."""
+    for name, old in before.items():
+        new = vars(module).get(name)
+        if new is None or new is old or not isinstance(new, torch.Tensor):
+            continue
+        if new.shape == old.shape and new.dtype == old.dtype and new.device == old.device:
+            old.copy_(new)
+            setattr(module, name, old)
+        else:
+            log.warning("mxrefit: %s.%s changed from %s %s to %s %s in vLLM's post-load processing; CUDA graphs "
+                        "captured before may still read the old tensor", type(module).__name__, name,
+                        tuple(old.shape), old.dtype, tuple(new.shape), new.dtype)
 
 
 def _replays_expert_prepack(qm: Any) -> bool:
