@@ -32,7 +32,11 @@ import logging
 import math
 import os
 import secrets
+import signal
+import socket
+import stat
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -49,6 +53,8 @@ _SOCKET_NAME = "control.sock"
 _MAX_UNIX_PATH = 107
 _MAX_WHY_CHARS = 200
 _ROUTING_ID_BYTES = 16
+_DIR_PREFIX = "mxrefit-"
+_STALE_AFTER_S = 60.0  # a directory younger than this may belong to a server that is about to bind
 _LOG_EVERY_S = 1.0  # rejections are counted each, logged at most this often (a flood must not flood the log)
 
 
@@ -78,8 +84,13 @@ def new_token() -> bytes:
 
 
 def private_ipc_address() -> str:
-    """An ``ipc://`` address inside a new directory only this user can enter (mode 0700)."""
-    directory = tempfile.mkdtemp(prefix="mxrefit-")
+    """An ``ipc://`` address inside a new directory only this user can enter (mode 0700).
+
+    Directories left by servers of this user that were killed (no one listens on their socket)
+    are removed first.
+    """
+    remove_stale_dirs()
+    directory = tempfile.mkdtemp(prefix=_DIR_PREFIX)
     os.chmod(directory, 0o700)
     path = os.path.join(directory, _SOCKET_NAME)
     if len(path.encode()) > _MAX_UNIX_PATH:
@@ -88,6 +99,77 @@ def private_ipc_address() -> str:
             f"Unix socket path {path!r} is longer than {_MAX_UNIX_PATH} bytes; set TMPDIR to a shorter directory"
         )
     return f"ipc://{path}"
+
+
+def remove_stale_dirs(parent: str | None = None) -> list[str]:
+    """Remove this user's ``mxrefit-*`` socket directories whose server is gone; returns them.
+
+    Gone: the socket refuses connections (nobody listens), or there is no socket and the directory
+    is older than a server takes to bind. A SIGKILLed engine leaves such a directory behind.
+    """
+    parent = parent or tempfile.gettempdir()
+    removed = []
+    try:
+        names = [n for n in os.listdir(parent) if n.startswith(_DIR_PREFIX)]
+    except OSError:
+        return removed
+    for name in names:
+        directory = os.path.join(parent, name)
+        try:
+            st = os.lstat(directory)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or not _is_dead(directory, st.st_mtime):
+            continue
+        _remove_private_dir(directory)
+        if not os.path.exists(directory):
+            removed.append(directory)
+    return removed
+
+
+def _is_dead(directory: str, mtime: float) -> bool:
+    path = os.path.join(directory, _SOCKET_NAME)
+    if not os.path.exists(path):
+        return time.time() - mtime > _STALE_AFTER_S and not os.listdir(directory)
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return False
+
+
+_LIVE_DIRS: set[str] = set()
+_previous_sigterm: Any = None
+
+
+def _register_dir(directory: str) -> None:
+    """Remember a server's directory, so that SIGTERM (which skips ``close``) still removes it."""
+    global _previous_sigterm
+    _LIVE_DIRS.add(directory)
+    if _previous_sigterm is not None or threading.current_thread() is not threading.main_thread():
+        return
+    current = signal.getsignal(signal.SIGTERM)
+    if current in (signal.SIG_IGN, None):
+        return
+    _previous_sigterm = current
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """Remove the live servers' directories, then do what SIGTERM did before (by default: die of it)."""
+    for directory in list(_LIVE_DIRS):
+        _remove_private_dir(directory)
+    _LIVE_DIRS.clear()
+    if callable(_previous_sigterm):
+        _previous_sigterm(signum, frame)
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 class _Deadline:
@@ -245,6 +327,7 @@ class ControlServer:
                 return "tcp://127.0.0.1:*"
             chosen = private_ipc_address()
             self._private_dir = os.path.dirname(chosen[len("ipc://"):])
+            _register_dir(self._private_dir)
             return chosen
         if tcp and not address.startswith("tcp://"):
             raise ValueError(f"tcp=True conflicts with the non-tcp address {address!r}")
@@ -314,6 +397,7 @@ class ControlServer:
         _close_socket(self._ctx, self._sock)
         if self._private_dir is not None:
             _remove_private_dir(self._private_dir)
+            _LIVE_DIRS.discard(self._private_dir)
             self._private_dir = None
 
     def __enter__(self) -> ControlServer:
