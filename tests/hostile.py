@@ -16,7 +16,7 @@ import time
 import msgpack
 import zmq
 
-from mxrefit.transport.control import new_token, private_ipc_address
+from mxrefit.transport.control import ControlServer, new_token, private_ipc_address
 
 
 def framed(token: bytes, reply: dict, re: int | None) -> bytes:
@@ -74,6 +74,14 @@ def bare_router(address: str, conn) -> None:
     while True:
         if sock.poll(100):
             sock.recv_multipart()
+
+
+def serve_forever(conn) -> None:
+    """A ControlServer on a private socket directory that never closes it (killed by the test)."""
+    server = ControlServer()
+    conn.send(server.address)
+    while True:
+        time.sleep(1)
 
 
 def _truncate_exports() -> None:

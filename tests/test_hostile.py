@@ -122,15 +122,23 @@ def test_the_routing_id_attack_is_real_on_a_bare_router():
     assert proc.exitcode == -6, f"a bare ROUTER survived the collision (exit {proc.exitcode}): the attack did not reproduce"
 
 
-@pytest.mark.parametrize("tcp", [False, True], ids=["ipc", "tcp"])
-def test_colliding_routing_ids_do_not_abort_the_engine(tcp):
-    s = Session(tcp=tcp)
+def _survives_collisions(s: Session, seed: int) -> None:
+    before = s.status()["rejected"]
+    _collide(s.engine.address)
+    assert s.engine.proc.is_alive(), f"engine exited with {s.engine.proc.exitcode}"
+    assert s.status()["rejected"] == before + 1  # the anonymous connection's frame
+    s.assert_next_refit_lands(seed)
+
+
+def test_colliding_routing_ids_do_not_abort_the_engine_on_ipc(session):
+    _survives_collisions(session, 2)
+
+
+def test_colliding_routing_ids_do_not_abort_the_engine_on_tcp():
+    s = Session(tcp=True)
     try:
-        before = s.status()["rejected"]
-        _collide(s.engine.address)
-        assert s.engine.proc.is_alive(), f"engine exited with {s.engine.proc.exitcode}"
-        assert s.status()["rejected"] == before + 1  # the anonymous connection's frame
-        s.assert_next_refit_lands(2)
+        assert s.engine.address.startswith("tcp://127.0.0.1:")
+        _survives_collisions(s, 2)
     finally:
         s.close()
 
@@ -416,46 +424,36 @@ def test_malformed_replies_raise_refit_errors_on_the_trainer(tables, case):
 
 
 # ---- D9 --------------------------------------------------------------------------------------
-def test_a_plan_cannot_make_the_engine_wait_for_a_rendezvous_longer_than_its_timeout():
-    s = Session(timeout_s=2.0)
+def test_a_plan_cannot_make_the_engine_wait_for_a_rendezvous_longer_than_its_timeout(session):
+    s = session  # engine timeout 3 s
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()  # a closed port: nobody will ever answer
+    plan = s.sender.plan_
+    buffers = {"kind": "broadcast", "nbytes": plan.bucket_bytes, "count": plan.slots, "backend": "gloo",
+               "host": "127.0.0.1", "port": port, "group": "ab" * 16, "world_size": 2, "timeout_s": 86400,
+               "rendezvous_timeout_s": 86400, "rank": 1}
+    msg = {"op": "plan", "plan_id": "x", "sources": [[x.name, list(x.shape), str(x.dtype)[6:]] for x in plan.sources],
+           "bucket_bytes": plan.bucket_bytes, "slots": plan.slots, "digest": plan.digest, "buffers": buffers}
+    client = ControlClient(s.engine.address, s.engine.token)
     try:
-        probe = socket.socket()
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-        probe.close()  # a closed port: nobody will ever answer
-        plan = s.sender.plan_
-        buffers = {"kind": "broadcast", "nbytes": plan.bucket_bytes, "count": plan.slots, "backend": "gloo",
-                   "host": "127.0.0.1", "port": port, "group": "ab" * 16, "world_size": 2, "timeout_s": 86400,
-                   "rendezvous_timeout_s": 86400, "rank": 1}
-        msg = {"op": "plan", "plan_id": "x", "sources": [[x.name, list(x.shape), str(x.dtype)[6:]] for x in plan.sources],
-               "bucket_bytes": plan.bucket_bytes, "slots": plan.slots, "digest": plan.digest, "buffers": buffers}
-        client = ControlClient(s.engine.address, s.engine.token)
-        try:
-            t = time.monotonic()
-            reply = client.request(msg, 60, step="a plan naming a dead rendezvous")
-            silent = time.monotonic() - t
-        finally:
-            client.close()
-        print(f"dead rendezvous asking for 86,400 s: engine answered after {silent:.1f} s")
-        assert reply["op"] == "error", reply
-        assert silent <= 2 * 2.0 + 5.0 + SLACK_S  # two engine timeouts, and at most 5 s to tell the rendezvous
-        s.assert_next_refit_lands(2)
+        t = time.monotonic()
+        reply = client.request(msg, 60, step="a plan naming a dead rendezvous")
+        silent = time.monotonic() - t
     finally:
-        s.close()
+        client.close()
+    print(f"dead rendezvous asking for 86,400 s: engine answered after {silent:.1f} s")
+    assert reply["op"] == "error", reply
+    assert silent <= 2 * 3.0 + 5.0 + SLACK_S  # two engine timeouts, and at most 5 s to tell the rendezvous
+    s.assert_next_refit_lands(8)
 
 
 # ---- socket directories ----------------------------------------------------------------------
-def _serve_forever(conn) -> None:
-    server = ControlServer()
-    conn.send(server.address)
-    while True:
-        time.sleep(1)
-
-
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
 def test_socket_directories_go_on_sigterm_and_are_found_stale_after_sigkill(how):
     parent, child = CTX.Pipe()
-    proc = CTX.Process(target=_serve_forever, args=(child,), daemon=True)
+    proc = CTX.Process(target=hostile.serve_forever, args=(child,), daemon=True)
     proc.start()
     assert parent.poll(60)
     directory = os.path.dirname(parent.recv()[len("ipc://"):])

@@ -246,6 +246,8 @@ def check_reply(msg: dict[str, Any], *expected: str) -> dict[str, Any]:
         if msg.get(key) is not None:
             msg[key] = text(msg[key])
     if "problems" in msg:
+        if not isinstance(msg["problems"], list):
+            raise Malformed(f"reply {op!r} has a bad 'problems' field: {text(repr(msg['problems']))[:80]}")
         problems = [text(p) for p in msg["problems"][:MAX_PROBLEMS]]
         if len(msg["problems"]) > MAX_PROBLEMS:
             problems.append(f"... and {len(msg['problems']) - MAX_PROBLEMS} more")
