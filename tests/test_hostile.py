@@ -35,7 +35,7 @@ from mxrefit.transport.control import (
     private_ipc_address,
     remove_stale_dirs,
 )
-from refit_helpers import CTX, EngineProcess, engine_matches, random_weights, trainer_specs
+from refit_helpers import CTX, EngineProcess, engine_matches, random_weights, trainer_specs, wait_until
 
 BUCKET = 16 << 10
 SLACK_S = 1.5
@@ -421,6 +421,51 @@ def test_malformed_replies_raise_refit_errors_on_the_trainer(tables, case):
     print(f"{case}: {type(err).__name__}: {str(err)[:160]}")
     assert len(str(err)) < 5000, len(str(err))
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 400 << 10  # KB: no 2.6 GB decode
+
+
+# ---- D8 --------------------------------------------------------------------------------------
+def _fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_idle_strangers_cannot_hold_the_engines_fds(session):
+    """200 connections that never send (and never reconnect): 64 are kept once the burst is swept,
+    none past 10 s (before: all of them, forever), and a new trainer refits meanwhile."""
+    pid = session.engine.pid
+    baseline = _fds(pid)
+    ctx = zmq.Context()
+    socks = []
+    for _ in range(200):
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RECONNECT_IVL, -1)
+        sock.connect(session.engine.address)
+        socks.append(sock)
+    try:
+        peak, start = 0, time.monotonic()
+        while time.monotonic() - start < 2.0:
+            peak = max(peak, _fds(pid) - baseline)
+            time.sleep(0.05)
+        assert peak >= 32, f"the connections never reached the engine (+{peak} fds): the check would be vacuous"
+        kept = _fds(pid) - baseline  # the burst is swept as the engine reads libzmq's accept events
+        assert kept <= 64 + 8 and peak < 200, (kept, peak)
+        newcomer = Sender(session.engine.address, session.engine.token, bucket_bytes=BUCKET, timeout_s=10)
+        try:
+            weights = random_weights(session.specs, 10)
+            newcomer.refit(weights)
+            assert engine_matches(newcomer, weights) == []
+        finally:
+            newcomer.close()
+        waited = wait_until(lambda: _fds(pid) - baseline <= 2, 10.0 + 3.0 + SLACK_S)
+        print(f"200 idle strangers: engine fds at most +{peak} in the burst, +{kept} after 2 s, back to "
+              f"+{_fds(pid) - baseline} {time.monotonic() - start:.1f} s after they connected")
+        session.sender.connect()  # the newcomer committed a version and adopted its own plan
+        session.sender.plan(session.specs)
+        session.assert_next_refit_lands(9)
+    finally:
+        for sock in socks:
+            sock.close(linger=0)
+        ctx.term()
 
 
 # ---- D9 --------------------------------------------------------------------------------------

@@ -41,6 +41,7 @@ import time
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from mxrefit.transport import protocol
 from mxrefit.transport.protocol import Malformed, Op
@@ -55,6 +56,8 @@ _MAX_WHY_CHARS = 200
 _ROUTING_ID_BYTES = 16
 _DIR_PREFIX = "mxrefit-"
 _STALE_AFTER_S = 60.0  # a directory younger than this may belong to a server that is about to bind
+_STRANGER_IDLE_S = 10.0  # a connection that sent no authenticated message in this long is dropped
+_MAX_STRANGERS = 64  # ... and beyond this many such connections, the oldest are dropped at once
 _LOG_EVERY_S = 1.0  # rejections are counted each, logged at most this often (a flood must not flood the log)
 
 
@@ -291,14 +294,77 @@ def _ipc_path(address: str) -> str | None:
     return address[len("ipc://"):] if address.startswith("ipc://") else None
 
 
+class _Strangers:
+    """The server's connections that have not sent one authenticated message, by fd; idle ones are dropped.
+
+    Why: a ROUTER cannot close a peer, and every connection holds an fd for as long as the peer
+    keeps it open, so a stranger opening enough idle connections exhausts the engine's fds (and
+    libzmq then spins on accept). The socket monitor names each accepted connection's fd and every
+    frame names its source (``ZMQ_SRCFD``), so the connections that never authenticated are known;
+    ``shutdown`` (not close: libzmq owns the fd) makes libzmq drop one. A trainer whose connection
+    was dropped before its first message reconnects by itself (libzmq reconnects DEALERs).
+    """
+
+    def __init__(self, sock: zmq.Socket, idle_s: float, most: int) -> None:
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
+        self.idle_s, self.most = idle_s, most
+        self.since: dict[int, float] = {}
+        self.dropped = 0
+
+    def read_events(self) -> None:
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
+            fd = int(event["value"])
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                self.since[fd] = time.monotonic()
+            else:
+                self.since.pop(fd, None)
+
+    def trusted(self, frame: zmq.Frame) -> None:
+        """The connection ``frame`` came on authenticated: it is never dropped."""
+        try:
+            self.since.pop(frame.get(zmq.SRCFD), None)
+        except zmq.ZMQError:
+            pass
+
+    def sweep(self) -> None:
+        """Drop the connections idle past ``idle_s`` and the oldest beyond ``most``."""
+        self.read_events()
+        now = time.monotonic()
+        oldest = sorted(self.since, key=self.since.__getitem__)
+        drop = set(oldest[: max(0, len(oldest) - self.most)]) | {fd for fd in oldest if now - self.since[fd] > self.idle_s}
+        for fd in drop:
+            self.since.pop(fd)
+            try:
+                with socket.socket(fileno=os.dup(fd)) as conn:
+                    conn.shutdown(socket.SHUT_RDWR)
+                self.dropped += 1
+            except OSError:
+                pass
+
+    def wake_ms(self) -> int | None:
+        """How soon the next idle connection is due (None: none is tracked)."""
+        if not self.since:
+            return None
+        return max(0, math.ceil((min(self.since.values()) + self.idle_s - time.monotonic()) * 1000)) + 10
+
+    def close(self, sock: zmq.Socket) -> None:
+        if not sock.closed:
+            sock.disable_monitor()
+        self.monitor.close(linger=0)
+
+
 class ControlServer:
     """Engine side: a ROUTER socket that answers the one trainer holding the token.
 
-    Use from a single thread. ``rejected`` counts dropped frames (strangers, garbage).
+    Use from a single thread. ``rejected`` counts dropped frames (strangers, garbage). Connections
+    that send no authenticated message are dropped after ``stranger_idle_s``, and at once beyond
+    ``max_strangers`` of them (``_Strangers``).
     """
 
     def __init__(self, address: str | None = None, *, token: bytes | None = None, tcp: bool = False,
-                 allow_remote: bool = False, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+                 allow_remote: bool = False, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 stranger_idle_s: float = _STRANGER_IDLE_S, max_strangers: int = _MAX_STRANGERS) -> None:
         self.token: bytes = new_token() if token is None else _checked_token(token)
         self.max_message_bytes = _checked_limit(max_message_bytes)
         self.rejected: int = 0
@@ -307,6 +373,7 @@ class ControlServer:
         self._peer_identity: bytes | None = None
         self._reply_to: int | None = None
         self._private_dir: str | None = None
+        self._strangers: _Strangers | None = None
         bind_to = self._choose_address(address, tcp, allow_remote)
         _seed_routing_ids()
         self._ctx, self._sock = _new_socket(zmq.ROUTER, bind_to, max_message_bytes)
@@ -315,11 +382,18 @@ class ControlServer:
             self._sock.bind(bind_to)
             self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
             self._restrict_socket_file()
+            self._strangers = _Strangers(self._sock, stranger_idle_s, max_strangers)
         except BaseException:
             self.close()
             raise
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._strangers.monitor, zmq.POLLIN)
+
+    @property
+    def dropped_connections(self) -> int:
+        """Connections dropped for never authenticating (idle, or too many)."""
+        return self._strangers.dropped
 
     def _choose_address(self, address: str | None, tcp: bool, allow_remote: bool) -> str:
         if address is None:
@@ -348,17 +422,27 @@ class ControlServer:
         self._require_open()
         deadline = _Deadline(timeout_s)
         while True:
-            frames = _poll_frames(self._sock, self._poller, deadline, self._peer, step)
-            try:
-                if len(frames) != 2:
-                    raise _Invalid(f"expected one frame per message, got {len(frames) - 1}")
-                msg, seq = _authenticated(frames[1], self.token, protocol.SEQ)
-            except _Invalid as bad:
-                self._reject(frames[0], bad.why)
-                _check_deadline(deadline, self._peer, step)
-                continue
-            self._peer_identity, self._reply_to = frames[0], seq
-            return msg
+            self._strangers.sweep()
+            waits = [w for w in (deadline.remaining_ms(), self._strangers.wake_ms()) if w is not None]
+            ready = dict(self._poller.poll(min(waits) if waits else None))
+            if self._sock in ready:
+                try:
+                    frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    frames = None
+                if frames is not None:
+                    identity = frames[0].bytes
+                    try:
+                        if len(frames) != 2:
+                            raise _Invalid(f"expected one frame per message, got {len(frames) - 1}")
+                        msg, seq = _authenticated(frames[1].bytes, self.token, protocol.SEQ)
+                    except _Invalid as bad:
+                        self._reject(identity, bad.why)
+                    else:
+                        self._strangers.trusted(frames[1])
+                        self._peer_identity, self._reply_to = identity, seq
+                        return msg
+            _check_deadline(deadline, self._peer, step)
 
     def _reject(self, identity: bytes, why: str) -> None:
         """Count, log (rate-limited) and answer a dropped frame; the answer carries no token and may be lost."""
@@ -394,6 +478,8 @@ class ControlServer:
 
     def close(self) -> None:
         """Close the socket and remove the socket file and private directory this server created."""
+        if self._strangers is not None:
+            self._strangers.close(self._sock)
         _close_socket(self._ctx, self._sock)
         if self._private_dir is not None:
             _remove_private_dir(self._private_dir)
