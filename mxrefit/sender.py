@@ -24,6 +24,7 @@ previous version named) until the next complete refit.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -42,6 +43,8 @@ from mxrefit.transport.buffers import KINDS, TransferBuffers, create_buffers, de
 from mxrefit.transport.control import ControlClient, ControlError, PeerTimeout
 from mxrefit.transport.exports import OpenedExports, open_exports
 from mxrefit.transport.protocol import Malformed, Op, check_reply
+
+log = logging.getLogger("mxrefit.sender")
 
 TRANSPORTS = ("direct", *KINDS)
 Tensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
@@ -215,6 +218,11 @@ class Sender:
             try:
                 self.exports = open_exports(reply["exports"], self.device if self.device.type == "cuda" else None)
             except (ValueError, LookupError) as err:
+                if self.requested_transport is None:  # e.g. an engine of another user: its memory is not ours to write
+                    log.warning("engine at %s exported storage this trainer will not write (%s); using buffers",
+                                self.address, err)
+                    self._engine_info["exportable"] = False
+                    return self.plan(plan.sources)
                 raise RefitError(f"engine at {self.address} exported storage this trainer will not write: {err}") from None
         self.transport = transport
         self.plan_, self._plan_id = plan, plan_id

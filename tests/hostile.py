@@ -65,6 +65,16 @@ class FakeEngine:
         shutil.rmtree(os.path.dirname(self.address[len("ipc://"):]), ignore_errors=True)
 
 
+def tables_reply() -> dict:
+    """The ``tables`` reply a real engine of the tiny MoE (MXFP8) gives, without its status fields."""
+    import models
+    from mxrefit.engines.torch import TorchEngine
+    from mxrefit.plan import tables_to_msg
+
+    engine = TorchEngine(models.tiny_qwen3_moe(seed=1), mxfp8=True)
+    return {"op": "tables", **tables_to_msg(engine.params(), engine.destinations()), "exportable": False, "device": "cpu"}
+
+
 def bare_router(address: str, conn) -> None:
     """A plain libzmq ROUTER (no mxrefit), to show the routing-id attack is real on this libzmq."""
     ctx = zmq.Context()
@@ -131,8 +141,8 @@ def serve_hostile_layout(conn, shape, mode: str, third_party: str | None = None)
     receiver.serve()
 
 
-def direct_trainer(address: str, token: bytes, shape, conn) -> None:
-    """A trainer process (a SIGBUS here must not kill the test): one direct refit, reports how it ended."""
+def direct_trainer(address: str, token: bytes, shape, conn, transport: str | None = None) -> None:
+    """A trainer process (a SIGBUS here must not kill the test): one refit, reports how it ended."""
     import torch
 
     from mxrefit.bench.run import make_weights
@@ -141,7 +151,7 @@ def direct_trainer(address: str, token: bytes, shape, conn) -> None:
     from mxrefit.shapes import hf_tensor_specs
 
     specs = [SourceSpec(n, s, dt) for n, s, dt in hf_tensor_specs(shape)]
-    sender = Sender(address, token, bucket_bytes=16 << 10, timeout_s=5)
+    sender = Sender(address, token, bucket_bytes=16 << 10, timeout_s=5, transport=transport)
     try:
         sender.refit(make_weights(specs, torch.device("cpu"), seed=1))
         conn.send({"ok": True, "transport": sender.transport})

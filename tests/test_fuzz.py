@@ -22,7 +22,7 @@ import pytest
 import zmq
 
 from faults import record
-from hostile import FakeEngine, framed
+from hostile import FakeEngine, framed, tables_reply
 from mxrefit.plan import PlanMismatch
 from mxrefit.sender import RefitError, Sender
 from mxrefit.transport.control import TOKEN_BYTES, ControlError
@@ -192,15 +192,6 @@ class _RealReplies:
         return _bytes_mutation(rng, data, TOKEN_BYTES) if how == 4 else rng.randbytes(32) + data[32:]
 
 
-def _tables() -> dict:
-    import models
-    from mxrefit.engines.torch import TorchEngine
-    from mxrefit.plan import tables_to_msg
-
-    engine = TorchEngine(models.tiny_qwen3_moe(seed=1), mxfp8=True)
-    return {"op": "tables", **tables_to_msg(engine.params(), engine.destinations()), "exportable": False, "device": "cpu"}
-
-
 def _trainer_loop(replies: _RealReplies, until: int, refits: int | None = None) -> dict[str, int]:
     engine = FakeEngine(lambda msg, seq: [replies(engine_token[0], msg, seq)])
     engine_token = [engine.token]
@@ -229,7 +220,7 @@ def _trainer_loop(replies: _RealReplies, until: int, refits: int | None = None) 
 
 @pytest.fixture(scope="module")
 def tables() -> dict:
-    return _tables()
+    return tables_reply()
 
 
 def test_the_trainer_side_fuzz_loop_refits_when_nothing_is_mutated(tables):

@@ -314,26 +314,31 @@ def test_the_trainers_timeout_holds_while_late_replies_keep_coming():
 SHAPE = replace(BUILTIN["tiny-qwen3-moe"], layers=2, vocab=512)
 
 
-def _hostile_direct(mode: str, third_party: str | None = None) -> dict:
+def _hostile_direct(mode: str, third_party: str | None = None, transports=(None,)) -> list[dict]:
+    """One trainer process per transport in turn against one hostile engine; how each refit ended."""
     parent, child = CTX.Pipe()
     engine = CTX.Process(target=hostile.serve_hostile_layout, args=(child, SHAPE, mode, third_party), daemon=True)
     engine.start()
     try:
         assert parent.poll(120), "engine did not start"
         hello = parent.recv()
-        tparent, tchild = CTX.Pipe()
-        trainer = CTX.Process(target=hostile.direct_trainer, args=(hello["address"], hello["token"], SHAPE, tchild))
-        trainer.start()
-        trainer.join(120)
-        assert trainer.exitcode == 0, f"the trainer died (exit {trainer.exitcode}; -7 is SIGBUS)"
-        return tparent.recv()
+        results = []
+        for transport in transports:
+            tparent, tchild = CTX.Pipe()
+            trainer = CTX.Process(target=hostile.direct_trainer,
+                                  args=(hello["address"], hello["token"], SHAPE, tchild, transport))
+            trainer.start()
+            trainer.join(120)
+            assert trainer.exitcode == 0, f"the trainer died (exit {trainer.exitcode}; -7 is SIGBUS)"
+            results.append(tparent.recv())
+        return results
     finally:
         engine.kill()
         engine.join(10)
 
 
 def test_an_engine_that_shrinks_its_exports_cannot_sigbus_the_trainer():
-    result = _hostile_direct("shrink")
+    (result,) = _hostile_direct("shrink")
     assert not result["ok"] and "changed its exported storage" in result["error"], result
 
 
@@ -341,8 +346,9 @@ def test_an_engine_cannot_direct_the_trainer_into_another_users_segment():
     segment = SharedMemory(create=True, size=1 << 20)
     try:
         os.fchown(segment._fd, 65534, 65534)  # another user's segment (the tests run as root)
-        result = _hostile_direct("redirect", segment.name)
-        assert not result["ok"] and "belongs to uid 65534" in result["error"], result
+        forced, chosen = _hostile_direct("redirect", segment.name, transports=("direct", None))
+        assert not forced["ok"] and "belongs to uid 65534" in forced["error"], forced
+        assert chosen == {"ok": True, "transport": "shm"}, chosen  # left to choose, the trainer falls back to buffers
         assert bytes(segment.buf) == bytes(1 << 20)  # not a byte written
     finally:
         segment.close()
@@ -350,19 +356,9 @@ def test_an_engine_cannot_direct_the_trainer_into_another_users_segment():
 
 
 # ---- D7 --------------------------------------------------------------------------------------
-def _tables_reply() -> dict:
-    import models
-    from mxrefit.engines.torch import TorchEngine
-    from mxrefit.plan import tables_to_msg
-
-    engine = TorchEngine(models.tiny_qwen3_moe(seed=1), mxfp8=True)
-    return {"op": "tables", **tables_to_msg(engine.params(), engine.destinations()), "version": 0, "state": "ready",
-            "error": None, "rejected": 0, "exportable": False, "device": "cpu"}
-
-
 @pytest.fixture(scope="module")
 def tables() -> dict:
-    return _tables_reply()
+    return {**hostile.tables_reply(), "version": 0, "state": "ready", "error": None, "rejected": 0}
 
 
 def _scripted(replies: dict):

@@ -21,6 +21,10 @@ process (an id collision is an assertion). The server seeds ``rand()`` from ``se
 makes its ROUTER, so the next anonymous id is one of 2**32 values a peer cannot see. Clients
 choose a random 16-byte id (never starting with a zero byte, libzmq's reserved prefix).
 
+Connections: a ROUTER never closes a peer, so connections that send no authenticated message
+are dropped by the server itself after ``stranger_idle_s`` (and the oldest at once beyond
+``max_strangers``): idle strangers cannot hold the engine's file descriptors.
+
 Threading: zmq sockets are not thread-safe. Use each ControlServer / ControlClient from one thread.
 """
 
