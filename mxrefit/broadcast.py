@@ -29,6 +29,7 @@ from mxrefit.sender import RefitError, RefitReport, Sender, Tensors
 from mxrefit.transport.broadcast import BroadcastBuffers, RendezvousError, RendezvousStore, default_backend
 from mxrefit.transport.buffers import TransportError
 from mxrefit.transport.control import ControlError, PeerTimeout
+from mxrefit.transport.protocol import Op
 from mxrefit.transport.fanout import ControlFanOut, combined_status
 
 
@@ -103,7 +104,7 @@ class BroadcastSender(Sender):
         except RendezvousError:
             fan.abandon()  # the ranks' answers come later (or never); skipped before the next exchange
             raise
-        reply = self._checked(fan.recv(self.timeout_s, step="forming the broadcast group"), "plan")
+        reply = self._checked(self._valid(fan.recv(self.timeout_s, step="forming the broadcast group"), Op.PLANNED), Op.PLAN)
         self._needs_plan = False
         return reply
 
@@ -143,7 +144,7 @@ class BroadcastSender(Sender):
         fan = self.client
         for i in fan.live:
             try:
-                fan.send_to(i, {"op": "abort", "why": why[:200]})
+                fan.send_to(i, {"op": Op.ABORT, "why": why[:200]})
             except ControlError as err:
                 fan.lose(i, str(err))
         deadline = time.monotonic() + self.timeout_s
@@ -173,7 +174,7 @@ class BroadcastSender(Sender):
     def status(self) -> dict:
         """Combined status (``ready`` only if every rank is at one version) with each rank's in ``ranks``."""
         fan = self.client
-        fan.send({"op": "status"})
+        fan.send({"op": Op.STATUS})
         replies = fan.gather(self.timeout_s, step="asking every rank for its status")
         return combined_status(replies, fan.lost, fan.names)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import secrets
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from mxrefit.transport.buffers import (
 )
 from mxrefit.transport.control import ControlError, ControlServer, PeerTimeout
 from mxrefit.transport.exports import allocate, export_tensors
+from mxrefit.transport.protocol import MAX_PROBLEMS, Malformed, Op, check_request, text
 
 log = logging.getLogger("mxrefit.receiver")
 
@@ -108,6 +110,7 @@ class Receiver:
         check_shards(self._params, self._destinations, self._shards)
         self._plan: RefitPlan | None = None
         self._plan_id: str | None = None
+        self._adoption: str | None = None  # the engine's own name for the adopted plan; a begin must echo it
         self._buffers: OpenedBuffers | None = None
         self._appliers: list[_Applier] = []
         self._commits: list[_Applier] = []
@@ -128,53 +131,65 @@ class Receiver:
 
     # ---- message handling -------------------------------------------------------------
     def serve(self, *, refits: int | None = None, idle_timeout_s: float | None = None) -> None:
-        """Answer the trainer until it says shutdown (or ``refits`` refits have ended)."""
+        """Answer the trainer until it says shutdown (or ``refits`` refits have ended).
+
+        No message ends this loop but ``shutdown``: whatever a handler raises is logged and answered
+        with an ``engine`` error carrying the status (the engine never dies from a message).
+        """
         ended = 0
         while refits is None or ended < refits:
             msg = self.server.recv(idle_timeout_s, step="waiting for the next refit")
-            op = msg.get("op")
-            if op == "shutdown":
-                self._reply({"op": "bye", **self.status()})
-                return
-            if op == "begin":
-                self._refit(msg)
-                ended += 1
-            else:
-                self._answer_setup(msg)
+            op = msg["op"]
+            try:
+                if op == Op.SHUTDOWN:
+                    self._reply({"op": Op.BYE, **self.status()})
+                    return
+                if op == Op.BEGIN:
+                    ended += 1
+                    self._refit(msg)
+                else:
+                    self._answer_setup(msg)
+            except Exception as err:
+                log.exception("answering %r", op[:40])
+                self._fail(f"the engine failed answering {op!r:.40}: {type(err).__name__}: {text(str(err))}")
+                self._reply({"op": Op.ERROR, "kind": "engine", "problems": [self.last_error], **self.status()})
 
     def _answer_setup(self, msg: dict) -> None:
         """Answer a message between refits; a malformed one gets an error reply, never an exception."""
-        op = msg.get("op")
+        op = msg["op"]
         try:
             reply = self._setup_reply(op, msg)
         except TransportError as err:
-            reply = {"op": "error", "kind": "transport", "problems": [str(err)]}
+            reply = {"op": Op.ERROR, "kind": "transport", "problems": [str(err)]}
         except Exception as err:  # a bad field from the token holder must not stop the engine
             if isinstance(err, PlanMismatch):
-                problems = err.problems
+                problems = _bounded(err.problems)
+            elif isinstance(err, Malformed):
+                problems = [err.why]
             else:
                 problems = [f"{op!r:.40}: {type(err).__name__}: {err}"[:_MAX_ERROR_CHARS]]
-            if op == "plan":
+            if op == Op.PLAN:
                 decline_buffers(msg.get("buffers"), "; ".join(map(str, problems)))
-            reply = {"op": "error", "kind": "plan_mismatch" if op == "plan" else "bad_request", "problems": problems}
-        if reply["op"] == "error":
+            reply = {"op": Op.ERROR, "kind": "plan_mismatch" if op == Op.PLAN else "bad_request", "problems": problems}
+        if reply["op"] == Op.ERROR:
             reply.update(self.status())
         self._reply(reply)
 
     def _setup_reply(self, op: str, msg: dict) -> dict:
-        if op == "hello":
+        if op not in (Op.HELLO, Op.PLAN, Op.STATUS, Op.ABORT, Op.CHECKSUM):
+            return {"op": Op.ERROR, "kind": "protocol", "problems": [f"unexpected op {op!r:.40} between refits"]}
+        check_request(msg)
+        if op == Op.HELLO:
             exportable = bool(self.engine.exportable) and not self._shards  # direct writes are whole tensors
-            return {"op": "tables", **tables_to_msg(self._params, self._destinations), **self.status(),
+            return {"op": Op.TABLES, **tables_to_msg(self._params, self._destinations), **self.status(),
                     "exportable": exportable, "device": self.engine.device.type}
-        if op == "plan":
+        if op == Op.PLAN:
             return self._adopt_plan(msg)
-        if op == "status":
-            return {"op": "status", **self.status()}
-        if op == "abort":  # nothing in flight (a refit already ended); a trainer resyncing gets the status
-            return {"op": "aborted", **self.status()}
-        if op == "checksum":
-            return {"op": "checksum", "sha256": self._checksums(msg.get("ranges", []))}
-        return {"op": "error", "kind": "protocol", "problems": [f"unexpected op {op!r:.40} between refits"]}
+        if op == Op.STATUS:
+            return {"op": Op.STATUS, **self.status()}
+        if op == Op.ABORT:  # nothing in flight (a refit already ended); a trainer resyncing gets the status
+            return {"op": Op.ABORTED, **self.status()}
+        return {"op": Op.CHECKSUM, "sha256": self._checksums(msg["ranges"])}
 
     def _adopt_plan(self, msg: dict) -> dict:
         """Check the trainer's plan against our own, then wire the data path; returns the reply.
@@ -200,15 +215,15 @@ class Receiver:
             raise ValueError("this engine rank holds slices of some parameters; direct writes place whole "
                              "tensors, so use buffers or broadcast")
         opened = None
-        if transport == "buffers":
-            opened = open_buffers(msg["buffers"], self.engine.device)
+        if transport == "buffers":  # waits (a broadcast rendezvous) are bounded by this engine's timeout, not the message's
+            opened = open_buffers(msg["buffers"], self.engine.device, max_wait_s=self.timeout_s)
             bufs = opened.buffers
             if len(bufs) != plan.slots or any(b.numel() < plan.bucket_bytes for b in bufs):
                 opened.close()
                 raise ValueError(f"trainer offered {len(bufs)} buffers, the plan needs {plan.slots} of {plan.bucket_bytes} bytes")
         # from here the engine is re-prepared: a failure leaves no plan rather than a stale one
         self._release_data_path()
-        self._plan, self._plan_id = None, None
+        self._plan, self._plan_id, self._adoption = None, None, None
         self._buffers = opened
         self.engine.prepare(plan)
         storage = {name: self.engine.storage(name) for name in self._params}
@@ -219,7 +234,8 @@ class Receiver:
         landing = self._shadow_of(storage) if self.transactional else storage
         copies = [[(r, c) for r in b.runs for c in run_copies(r.offset, r.param_offset, r.nbytes, self._params[r.param],
                                                                self._shards.get(r.param))] for b in plan.buckets]
-        reply: dict = {"op": "planned", "digest": plan.digest}
+        adoption = secrets.token_hex(16)
+        reply: dict = {"op": Op.PLANNED, "digest": plan.digest, "adoption": adoption}
         if transport == "direct":
             reply["exports"] = export_tensors(landing)
             self._appliers = [_Applier(nbytes=sum(r.nbytes for r in b.runs)) for b in plan.buckets]
@@ -231,7 +247,7 @@ class Receiver:
                              for cs in copies]
         if msg.get("verify"):
             self._sums = [ByteSum(self._verified_views(b, landing)) for b in plan.buckets]
-        self._plan, self._plan_id = plan, plan_id
+        self._plan, self._plan_id, self._adoption = plan, plan_id, adoption
         return reply
 
     def _verified_views(self, bucket, landing: dict[str, torch.Tensor]) -> list[torch.Tensor]:
@@ -261,6 +277,7 @@ class Receiver:
 
     def _refit(self, begin: dict) -> None:
         version = _int_field(begin, "version")
+        adoptions = begin.get("adoptions")
         problem = None
         if version is None:
             problem = f"begin needs an int 'version', got {begin.get('version')!r:.40}"
@@ -268,15 +285,21 @@ class Receiver:
             problem = "no plan: the trainer must send a plan before the first refit"
         elif begin.get("digest") != self._plan.digest:
             problem = "the refit names a different plan than the engine holds"
-        elif begin.get("plan_id") != self._plan_id:  # the trainer's id for its plan, new at every plan()
+        elif (begin.get("plan_id") != self._plan_id  # the trainer's id for its plan, new at every plan()
+              or not isinstance(adoptions, list) or self._adoption not in adoptions):  # ours, new at every adoption
             problem = ("the engine adopted another plan (and its buffers) since this trainer planned, e.g. from "
                        "another trainer holding the token: plan again")
         elif version <= self.version:
             problem = f"stale or duplicate version {version}: the engine already holds version {self.version}"
+        if problem is None:
+            try:
+                check_request(begin)
+            except Malformed as bad:
+                problem = bad.why
         if problem:
-            self._reply({"op": "error", "kind": "refused", "problems": [problem], **self.status()})
+            self._reply({"op": Op.ERROR, "kind": "refused", "problems": [problem], **self.status()})
             return
-        if not self._reply({"op": "begun", "version": version}):
+        if not self._reply({"op": Op.BEGUN, "version": version}):
             return
         stats = ReceiveStats(version)
         start = time.perf_counter()
@@ -286,12 +309,18 @@ class Receiver:
             while True:
                 left = max(0.0, deadline - time.monotonic())
                 msg = self.server.recv(left, step=f"refit to version {version}, waiting for bucket {expected}")
-                op = msg.get("op")
-                if op == "status":  # any token holder may ask; it does not extend the trainer's deadline
-                    self._reply({"op": "status", **self.status()})
+                op = msg["op"]
+                if op == Op.STATUS:  # any token holder may ask; it does not extend the trainer's deadline
+                    self._reply({"op": Op.STATUS, **self.status()})
                     continue
                 deadline = time.monotonic() + self.timeout_s
-                if op == "ready" and _int_field(msg, "bucket") == expected and _int_field(msg, "version") == version:
+                try:
+                    check_request(msg)
+                except Malformed as bad:
+                    self._fail(f"refit to version {version}: {bad.why}")
+                    self._reply({"op": Op.ERROR, "kind": "protocol", "problems": [self.last_error], **self.status()})
+                    return
+                if op == Op.READY and msg["bucket"] == expected and msg["version"] == version:
                     t = time.perf_counter()
                     try:
                         self._fetch(expected)
@@ -299,7 +328,7 @@ class Receiver:
                         self._fail(f"refit to version {version}: bucket {expected} did not arrive: {err}")
                         self._release_data_path()
                         self._plan = None  # the data path is gone; the trainer must plan again
-                        self._reply({"op": "error", "kind": "transport", "problems": [self.last_error], **self.status()})
+                        self._reply({"op": Op.ERROR, "kind": "transport", "problems": [self.last_error], **self.status()})
                         return
                     stats.fetch_s += time.perf_counter() - t
                     t = time.perf_counter()
@@ -311,7 +340,7 @@ class Receiver:
                     mismatch = self._verify(expected, msg.get("sum"))
                     if mismatch:
                         self._fail(f"refit to version {version}: {mismatch}")
-                        self._reply({"op": "error", "kind": "integrity", "problems": [self.last_error], **self.status()})
+                        self._reply({"op": Op.ERROR, "kind": "integrity", "problems": [self.last_error], **self.status()})
                         return
                     t = time.perf_counter()
                     if not self.transactional:
@@ -321,11 +350,11 @@ class Receiver:
                     stats.bytes += self._appliers[expected].nbytes
                     stats.buckets += 1
                     expected += 1
-                    if not self._reply({"op": "applied", "bucket": expected - 1}):
+                    if not self._reply({"op": Op.APPLIED, "bucket": expected - 1}):
                         self._fail(f"refit to version {version}: the trainer at {self.address} disconnected after bucket "
                                    f"{expected - 1} of {len(self._appliers)}")
                         return
-                elif op == "commit" and _int_field(msg, "version") == version and expected == len(self._appliers):
+                elif op == Op.COMMIT and msg["version"] == version and expected == len(self._appliers):
                     t = time.perf_counter()
                     if self.transactional:
                         self._commit_shadow(stats)
@@ -335,17 +364,17 @@ class Receiver:
                     self.version, self.state, self.last_error = version, "ready", None
                     stats.wall_s = time.perf_counter() - start
                     self.history.append(stats)
-                    self._reply({"op": "committed", **self.status(), "fetch_s": stats.fetch_s, "apply_s": stats.apply_s,
+                    self._reply({"op": Op.COMMITTED, **self.status(), "fetch_s": stats.fetch_s, "apply_s": stats.apply_s,
                                       "process_s": stats.process_s, "after_refit_s": stats.after_refit_s})
                     return
-                elif op == "abort":
+                elif op == Op.ABORT:
                     self._fail(f"trainer aborted the refit to version {version}: {str(msg.get('why', ''))[:200]}")
-                    self._reply({"op": "aborted", **self.status()})
+                    self._reply({"op": Op.ABORTED, **self.status()})
                     return
                 else:
                     got = {k: msg.get(k) for k in ("op", "version", "bucket")}
                     self._fail(f"refit to version {version}: expected bucket {expected} or commit, got {got!r:.300}")
-                    self._reply({"op": "error", "kind": "protocol", "problems": [self.last_error], **self.status()})
+                    self._reply({"op": Op.ERROR, "kind": "protocol", "problems": [self.last_error], **self.status()})
                     return
         except PeerTimeout:
             self._fail(
@@ -355,16 +384,25 @@ class Receiver:
         except EngineStepError as err:
             log.error("refit to version %d: %s", version, err, exc_info=err.__cause__)
             self._fail(f"refit to version {version}: {err}")
-            self._reply({"op": "error", "kind": "engine", "problems": [self.last_error], **self.status()})
+            self._reply({"op": Op.ERROR, "kind": "engine", "problems": [self.last_error], **self.status()})
 
     def _reply(self, msg: dict) -> bool:
-        """Answer the trainer; False if it already went away (logged, never fatal here)."""
+        """Answer the trainer; False if it already went away (logged, never fatal here).
+
+        A reply that cannot be sent as it is (over the size limit, say) becomes an ``engine`` error
+        naming why, so the trainer still gets one answer per message.
+        """
         try:
             self.server.send(msg)
             return True
         except ControlError as err:
             log.warning("could not answer %r: %s", msg.get("op"), err)
             return False
+        except (TypeError, ValueError) as err:
+            log.error("could not send the %r reply: %s", msg.get("op"), err)
+            return self._reply({"op": Op.ERROR, "kind": "engine", "problems": [text(f"the engine's {msg.get('op')!r} "
+                                                                                     f"reply could not be sent: {err}")],
+                                **self.status()})
 
     def _fetch(self, bucket: int) -> None:
         """Bring the bucket's bytes into our slot where the transport moves them (broadcast)."""
@@ -438,6 +476,14 @@ def _engine_step(what: str, fn, *args) -> None:
         fn(*args)
     except Exception as err:
         raise EngineStepError(f"the engine's {what} raised {type(err).__name__}: {str(err)[:300]}") from err
+
+
+def _bounded(problems: list) -> list[str]:
+    """At most MAX_PROBLEMS problems of at most _MAX_ERROR_CHARS each: an error reply stays small."""
+    out = [str(p)[:_MAX_ERROR_CHARS] for p in problems[:MAX_PROBLEMS]]
+    if len(problems) > MAX_PROBLEMS:
+        out.append(f"... and {len(problems) - MAX_PROBLEMS} more problems")
+    return out
 
 
 def _is_int(value: object) -> bool:

@@ -24,6 +24,7 @@ previous version named) until the next complete refit.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -41,6 +42,9 @@ from mxrefit.plan import DEFAULT_BUCKET_BYTES, PlanMismatch, RefitPlan, SourceSp
 from mxrefit.transport.buffers import KINDS, TransferBuffers, create_buffers, default_kind
 from mxrefit.transport.control import ControlClient, ControlError, PeerTimeout
 from mxrefit.transport.exports import OpenedExports, open_exports
+from mxrefit.transport.protocol import Malformed, Op, check_reply
+
+log = logging.getLogger("mxrefit.sender")
 
 TRANSPORTS = ("direct", *KINDS)
 Tensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
@@ -122,6 +126,7 @@ class Sender:
         self._engine_info: dict = {}
         self._tables = None
         self._plan_id: str | None = None
+        self._adoptions: list[str] = []
         self._last_sources: list[torch.Tensor] | None = None
         self._unfinished: int | None = None
 
@@ -129,12 +134,23 @@ class Sender:
     def _make_client(self, address: str, token: bytes) -> ControlClient:
         return ControlClient(address, token)
 
+    _ANSWERS = {Op.HELLO: (Op.TABLES,), Op.PLAN: (Op.PLANNED,), Op.BEGIN: (Op.BEGUN,), Op.COMMIT: (Op.COMMITTED,),
+                Op.STATUS: (Op.STATUS,), Op.SHUTDOWN: (Op.BYE,)}
+
     def _request(self, msg: dict, step: str) -> dict:
-        return self._checked(self.client.request(msg, self.timeout_s, step=step), msg["op"])
+        reply = self.client.request(msg, self.timeout_s, step=step)
+        return self._checked(self._valid(reply, *self._ANSWERS[msg["op"]]), msg["op"])
+
+    def _valid(self, reply: dict, *expected: str) -> dict:
+        """``reply`` if it is one of the ``expected`` kinds (or an error) with well-typed fields, else RefitError."""
+        try:
+            return check_reply(reply, *expected)
+        except Malformed as bad:
+            raise RefitError(f"engine at {self.address} broke the protocol: {bad.why}") from None
 
     def _checked(self, reply: dict, op: str) -> dict:
         """The engine's reply to ``op``; PlanMismatch or RefitError if it refused."""
-        if reply.get("op") in ("error", "rejected"):
+        if reply["op"] in (Op.ERROR, Op.REJECTED):
             problems = reply.get("problems") or [reply.get("why", "")]
             if reply.get("kind") == "plan_mismatch":
                 raise PlanMismatch(list(problems))
@@ -147,15 +163,18 @@ class Sender:
         Fire and forget: the engine answers 'aborted' with its status, an answer given up at once
         (``abandon``), so this costs no round trip and no timeout.
         """
-        self.client.send({"op": "abort", "why": why})
+        self.client.send({"op": Op.ABORT, "why": why})
         self.client.abandon()
         self._unfinished = None
 
     def connect(self) -> None:
         self._preempt("a trainer connected")
-        reply = self._request({"op": "hello"}, "connecting")
-        self._tables = tables_from_msg(reply)
-        self._engine_info = {"exportable": bool(reply.get("exportable")), "device": reply.get("device")}
+        reply = self._request({"op": Op.HELLO}, "connecting")
+        try:
+            self._tables = tables_from_msg(reply)
+        except Exception as err:  # the engine's tables are its data: any malformation is the engine's error
+            raise RefitError(f"engine at {self.address} sent malformed tables: {type(err).__name__}: {err}"[:1000]) from None
+        self._engine_info = {"exportable": reply["exportable"], "device": reply["device"]}
         self.engine_status = {"version": reply["version"], "state": reply["state"]}
 
     def _choose_transport(self) -> str:
@@ -182,7 +201,7 @@ class Sender:
         plan = build_plan(list(specs), params, destinations, bucket_bytes=self.bucket_bytes, slots=self.slots)
         transport = self._choose_transport()
         plan_id = secrets.token_hex(8)  # names this adoption: the engine refuses a begin from a trainer planned earlier
-        msg = {"op": "plan", "plan_id": plan_id, "sources": sources_to_msg(plan.sources), "bucket_bytes": plan.bucket_bytes,
+        msg = {"op": Op.PLAN, "plan_id": plan_id, "sources": sources_to_msg(plan.sources), "bucket_bytes": plan.bucket_bytes,
                "slots": plan.slots, "digest": plan.digest, "verify": self.verify}
         self._close_data_path(keep_buffers=transport != "direct")
         if transport == "direct":
@@ -191,10 +210,24 @@ class Sender:
             self._ensure_buffers(transport, plan)
             msg["transport"] = "buffers"
         reply = self._send_plan(msg)
+        if reply["digest"] != plan.digest:
+            raise RefitError(f"engine at {self.address} answered the plan with another digest ({reply['digest'][:12]})")
         if transport == "direct":
-            self.exports = open_exports(reply["exports"], self.device if self.device.type == "cuda" else None)
+            if not isinstance(reply.get("exports"), dict):
+                raise RefitError(f"engine at {self.address} planned direct writes without exporting its storage")
+            try:
+                self.exports = open_exports(reply["exports"], self.device if self.device.type == "cuda" else None)
+            except (ValueError, LookupError) as err:
+                if self.requested_transport is None:  # e.g. an engine of another user: its memory is not ours to write
+                    log.warning("engine at %s exported storage this trainer will not write (%s); using buffers",
+                                self.address, err)
+                    self._engine_info["exportable"] = False
+                    return self.plan(plan.sources)
+                raise RefitError(f"engine at {self.address} exported storage this trainer will not write: {err}") from None
         self.transport = transport
         self.plan_, self._plan_id = plan, plan_id
+        adoption = reply["adoption"]
+        self._adoptions = adoption if isinstance(adoption, list) else [adoption]
         self._last_sources = None
         self._build_encoders(plan)
         return plan
@@ -330,8 +363,10 @@ class Sender:
         self._unfinished = version
         acked = 0
         try:
-            self._request({"op": "begin", "version": version, "digest": plan.digest, "plan_id": self._plan_id},
-                          f"starting refit {version}")
+            self._request({"op": Op.BEGIN, "version": version, "digest": plan.digest, "plan_id": self._plan_id,
+                           "adoptions": self._adoptions}, f"starting refit {version}")
+            if self.exports is not None:
+                self._verify_exports(version)
             self._bad.fill_(NO_BAD)  # an aborted refit leaves its flag behind
             for b, encoders in zip(plan.buckets, self._bucket_encoders):
                 while acked < b.index - plan.slots + 1:
@@ -360,7 +395,7 @@ class Sender:
                 self.client.send(self._ready(b, version))
             while acked < len(plan.buckets):
                 acked = self._await_applied(acked, version, report)
-            reply = self._request({"op": "commit", "version": version}, f"committing refit {version}")
+            reply = self._request({"op": Op.COMMIT, "version": version}, f"committing refit {version}")
         except PeerTimeout as err:  # the engine is gone or stalled: a status probe would wait as long again
             raise RefitError(f"refit {version} failed: {err}") from err
         except ControlError as err:
@@ -378,7 +413,7 @@ class Sender:
 
     def _ready(self, bucket, version: int) -> dict:
         """The bucket's "ready" message, with its integrity sums when verifying."""
-        ready = {"op": "ready", "version": version, "bucket": bucket.index}
+        ready = {"op": Op.READY, "version": version, "bucket": bucket.index}
         if self._sums:
             ready["sum"] = list(self._sums[bucket.index]())
         return ready
@@ -413,23 +448,40 @@ class Sender:
         t = time.perf_counter()
         reply = self.client.recv(self.timeout_s, step=f"refit {version}, waiting for the engine to apply bucket {acked}")
         report.wait_s += time.perf_counter() - t
-        if reply.get("op") != "applied" or int(reply.get("bucket", -1)) != acked:
+        try:
+            reply = check_reply(reply, Op.APPLIED)
+        except Malformed as bad:
+            raise RefitError(f"refit {version}: engine at {self.address} broke the protocol while bucket {acked} was in "
+                             f"flight: {bad.why}") from None
+        if reply["op"] != Op.APPLIED or reply["bucket"] != acked:
             why = reply.get("problems") or reply.get("why", "")
-            raise RefitError(f"refit {version}: engine answered {reply.get('op')!r} {why} while bucket {acked} was in flight", reply)
+            status = reply if "version" in reply and "state" in reply else None
+            raise RefitError(f"refit {version}: engine answered {reply['op']!r} {why} while bucket {acked} was in flight", status)
         return acked + 1
+
+    def _verify_exports(self, version: int) -> None:
+        """The engine's exported segments are still the ones checked at plan (none shrank); else abort the refit."""
+        try:
+            self.exports.verify()
+        except ValueError as err:
+            self._abort(version, "exported storage changed")
+            raise RefitError(f"refit {version}: engine at {self.address} changed its exported storage: {err}",
+                             self.engine_status) from None
 
     def _abort(self, version: int, why: str) -> None:
         """Tell the engine to stop; skip the "applied" answers still in flight before its "aborted"."""
         try:
-            self.client.send({"op": "abort", "version": version, "why": why})
+            self.client.send({"op": Op.ABORT, "version": version, "why": why})
             deadline = time.monotonic() + self.timeout_s
             while True:
-                reply = self.client.recv(max(0.0, deadline - time.monotonic()), step="aborting")
-                if reply.get("op") != "applied":
+                reply = check_reply(self.client.recv(max(0.0, deadline - time.monotonic()), step="aborting"),
+                                    Op.APPLIED, Op.ABORTED)
+                if reply["op"] != Op.APPLIED:
                     break
-            self.engine_status = {"version": reply.get("version"), "state": reply.get("state")}
+            if "version" in reply and "state" in reply:
+                self.engine_status = {"version": reply["version"], "state": reply["state"]}
             self._unfinished = None
-        except ControlError:
+        except (ControlError, Malformed):
             pass
 
     def _status_or_none(self) -> dict | None:
@@ -439,13 +491,13 @@ class Sender:
             return None
 
     def status(self) -> dict:
-        reply = self.client.request({"op": "status"}, self.timeout_s, step="asking for status")
+        reply = self._valid(self.client.request({"op": Op.STATUS}, self.timeout_s, step="asking for status"), Op.STATUS)
         return {k: reply.get(k) for k in ("version", "state", "error")}
 
     def close(self, *, shutdown_engine: bool = False) -> None:
         if shutdown_engine:
             try:
-                self.client.request({"op": "shutdown"}, self.timeout_s, step="shutting the engine down")
+                self.client.request({"op": Op.SHUTDOWN}, self.timeout_s, step="shutting the engine down")
             except ControlError:
                 pass
         self.client.close()

@@ -121,6 +121,18 @@ def test_garbage_and_non_map_frames_are_rejected_without_crashing(echo_server):
         [msgpack.packb({"tok": token, "op": "two frames"}), b"extra"],
         [msgpack.packb({1: 2, "tok": token, "op": "int key"})],
         [msgpack.packb({"tok": token, "op": "ext", "x": msgpack.ExtType(3, b"zz")})],
+        # the token as the frame's prefix (the wire format), then a bad map
+        [token],
+        [token + b"\xc1"],
+        [token + msgpack.packb([1, 2])],
+        [token + msgpack.packb({"no": "op"})],
+        [token + msgpack.packb({"op": 5})],
+        [token + msgpack.packb({"op": "two frames"}), b"extra"],
+        [token + msgpack.packb({1: 2, "op": "int key"})],
+        [token + msgpack.packb({"op": "ext", "x": msgpack.ExtType(3, b"zz")})],
+        [token + b"\x82\xa2op\xa1x\xa1d" + b"\x91" * 1019 + b"\x90"],  # 1,020 deep: RecursionError bait
+        [token + b"\xdd" + (1 << 24).to_bytes(4, "big") + b"\x80" * 1024],  # claims 16M maps
+        [token[:-1] + msgpack.packb({"op": "x"})],
     ]
     ctx, raw = _raw_dealer(address)
     try:
@@ -236,7 +248,7 @@ def test_oversized_messages_are_refused_on_both_sides():
                 client.send({"op": "big", "pad": b"x" * 2000})
             ctx, raw = _raw_dealer(server.address)
             try:
-                raw.send(msgpack.packb({"tok": server.token, "op": "huge", "pad": b"x" * 10000}))
+                raw.send(server.token + msgpack.packb({"op": "huge", "pad": b"x" * 10000}))
                 time.sleep(0.2)
                 client.send({"op": "small"})
                 assert server.recv(10, step="small") == {"op": "small"}
@@ -300,8 +312,8 @@ def test_reserved_and_malformed_message_numbers_are_refused():
         ctx, raw = _raw_dealer(server.address)
         try:
             for seq in (-1, 2**63, "1", True, 1.5):
-                raw.send(msgpack.packb({"tok": server.token, "op": "numbered", "seq": seq}))
-            raw.send(msgpack.packb({"tok": server.token, "op": "valid", "seq": 7}))
+                raw.send(server.token + msgpack.packb({"op": "numbered", "seq": seq}))
+            raw.send(server.token + msgpack.packb({"op": "valid", "seq": 7}))
             assert server.recv(10, step="valid") == {"op": "valid"}
             assert server.rejected == 5
         finally:
@@ -314,8 +326,6 @@ def test_send_refuses_bad_messages():
             server.send({"op": "nobody asked"})
         with pytest.raises(ValueError, match="'op'"):
             client.send({"no": "op"})
-        with pytest.raises(ValueError, match="reserved"):
-            client.send({"op": "x", "tok": b"mine"})
         with pytest.raises(TypeError, match="'obj'"):
             client.send({"op": "obj", "v": object()})
 
@@ -335,7 +345,7 @@ def test_client_checks_the_servers_token():
             def reply(obj) -> None:
                 router.send_multipart([identity, obj if isinstance(obj, bytes) else msgpack.packb(obj)])
 
-            reply({"tok": new_token(), "op": "ok"})
+            reply(new_token() + msgpack.packb({"op": "ok"}))
             with pytest.raises(ProtocolError, match="token"):
                 client.recv(10, step="impostor")
             reply(b"\xc1 not msgpack")
@@ -349,7 +359,7 @@ def test_client_checks_the_servers_token():
                 client.recv(10, step="tokenless non-rejection")
             reply({"op": "rejected", "why": "you are a stranger"})
             assert client.recv(10, step="rejection") == {"op": "rejected", "why": "you are a stranger"}
-            reply({"tok": token, "op": "error", "why": "boom"})
+            reply(token + msgpack.packb({"op": "error", "why": "boom"}))
             assert client.recv(10, step="error") == {"op": "error", "why": "boom"}
     finally:
         router.close(linger=0)
@@ -366,32 +376,31 @@ _plain = st.recursive(
 _maps = st.builds(
     lambda extra, head: {**extra, **head},
     st.dictionaries(st.text(max_size=6), _plain, max_size=3),
-    st.fixed_dictionaries({}, optional={
-        "tok": st.sampled_from([FUZZ_TOKEN, FUZZ_TOKEN[:-1], b"", b"\x00" * 32]) | st.binary(max_size=40) | _plain,
-        "op": st.text(max_size=8) | _plain,
-    }),
+    st.fixed_dictionaries({}, optional={"op": st.text(max_size=8) | _plain, "seq": _plain}),
 )
+_prefixes = st.sampled_from([FUZZ_TOKEN, FUZZ_TOKEN[:-1], b"", b"\x00" * 32, FUZZ_TOKEN + b"x"]) | st.binary(max_size=40)
+_framed = st.builds(lambda prefix, m: prefix + msgpack.packb(m, use_bin_type=True), _prefixes, _maps)
 _frames = st.one_of(
     st.lists(st.binary(max_size=300), min_size=1, max_size=3),
-    _maps.map(lambda m: [msgpack.packb(m, use_bin_type=True)]),
-    st.lists(_maps.map(lambda m: msgpack.packb(m, use_bin_type=True)), min_size=2, max_size=3),
+    _framed.map(lambda f: [f]),
+    st.lists(_framed, min_size=2, max_size=3),
 )
 
 
 def _expected(frames: list[bytes]) -> dict | None:
     """The message a correct server returns for these frames, or None if it must reject them."""
-    if len(frames) != 1:
+    if len(frames) != 1 or not frames[0].startswith(FUZZ_TOKEN):
         return None
     try:
-        obj = msgpack.unpackb(frames[0], raw=False, max_ext_len=0)
+        obj = msgpack.unpackb(frames[0][len(FUZZ_TOKEN):], raw=False, max_ext_len=0)
     except Exception:
         return None
-    if not isinstance(obj, dict) or obj.get("tok") != FUZZ_TOKEN or not isinstance(obj.get("op"), str):
+    if not isinstance(obj, dict) or not isinstance(obj.get("op"), str):
         return None
     seq = obj.get("seq")
     if "seq" in obj and seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq < 2**63):
         return None
-    return {k: v for k, v in obj.items() if k not in ("tok", "seq")}
+    return {k: v for k, v in obj.items() if k != "seq"}
 
 
 def test_fuzzed_frames_never_crash_the_server_nor_pass_as_valid():
@@ -404,7 +413,7 @@ def test_fuzzed_frames_never_crash_the_server_nor_pass_as_valid():
     def check(frames: list[bytes]) -> None:
         sentinel = {"op": "sentinel", "n": next(counter)}
         raw.send_multipart(frames)
-        raw.send(msgpack.packb({**sentinel, "tok": FUZZ_TOKEN}))
+        raw.send(FUZZ_TOKEN + msgpack.packb(sentinel))
         before = server.rejected
         expected = _expected(frames)
         first = server.recv(10, step="fuzzing")

@@ -16,7 +16,7 @@ from faults import record
 from mxrefit.plan import sources_to_msg
 from mxrefit.sender import Sender
 from mxrefit.transport.buffers import create_buffers
-from mxrefit.transport.control import ControlClient
+from mxrefit.transport.control import TOKEN_BYTES, ControlClient
 from refit_helpers import EngineProcess, engine_matches, random_weights, trainer_specs
 
 ENGINE_TIMEOUT_S = 3.0
@@ -64,8 +64,8 @@ class Session:
 
 
 def _decoded(frame: bytes) -> dict:
-    msg = msgpack.unpackb(frame, raw=False)
-    return {k: v for k, v in msg.items() if k not in ("tok", "seq")}
+    msg = msgpack.unpackb(frame[TOKEN_BYTES:], raw=False)  # a frame is the token, then the map
+    return {k: v for k, v in msg.items() if k != "seq"}
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +166,8 @@ def test_a_malformed_message_between_refits_is_answered(session, msg):
 ], ids=["bucket-a-string", "version-a-string", "version-none", "commit-version-a-list", "abort-why-1MB"])
 def test_a_malformed_message_mid_refit_ends_the_refit_with_a_clear_report(session, after_bucket0, bad):
     version = session.status()["version"] + 1
-    begin = {"op": "begin", "version": version, "digest": session.sender.plan_.digest, "plan_id": session.sender._plan_id}
+    begin = {"op": "begin", "version": version, "digest": session.sender.plan_.digest, "plan_id": session.sender._plan_id,
+             "adoptions": session.sender._adoptions}
     assert session.ask(begin)["op"] == "begun"
     if after_bucket0:
         assert session.ask({"op": "ready", "version": version, "bucket": 0}) == {"op": "applied", "bucket": 0}

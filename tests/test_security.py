@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 import mxrefit
 from faults import record
 from mxrefit.sender import RefitError, Sender
-from mxrefit.transport.control import DEFAULT_MAX_MESSAGE_BYTES, new_token
+from mxrefit.transport.control import DEFAULT_MAX_MESSAGE_BYTES, TOKEN_BYTES, new_token
 from refit_helpers import CTX, EngineProcess, engine_matches, random_weights, specs_to_plain, trainer_specs
 
 BUCKET = 16 << 10
@@ -143,13 +143,13 @@ def test_replaying_this_sessions_own_frames_writes_nothing(sessions):
         for frame in captured:
             sock.send(frame)
             assert sock.poll(10_000)
-            replies.append(msgpack.unpackb(sock.recv(), raw=False))
+            replies.append(msgpack.unpackb(sock.recv()[TOKEN_BYTES:], raw=False))  # answered with the token first
     finally:
         sock.close(linger=0)
         ctx.term()
     ops = [r["op"] for r in replies]
     assert "begun" not in ops and "applied" not in ops and "committed" not in ops, replies
-    begin = next(r for r, f in zip(replies, captured) if msgpack.unpackb(f)["op"] == "begin")
+    begin = next(r for r, f in zip(replies, captured) if msgpack.unpackb(f[TOKEN_BYTES:])["op"] == "begin")
     assert "stale or duplicate version" in begin["problems"][0]
     ours.assert_untouched(before, 0)
 
@@ -189,20 +189,23 @@ def _stranger_frames(draw, foreign: list[bytes], token: bytes) -> bytes:
     if kind == "mutated":
         return _mutate(draw(st.sampled_from(foreign)), draw(st.sampled_from(["flip", "truncate", "insert", "double"])),
                        draw(st.integers(0, 1 << 20)), draw(st.integers(0, 255)))
-    if kind == "ext":
-        return msgpack.packb({"tok": token, "op": "hello", "x": msgpack.ExtType(draw(st.integers(0, 127)), b"\x00" * 8)})
+    if kind == "ext":  # under the old token-in-the-map format, and as the token's frame would carry it
+        ext = {"op": "hello", "x": msgpack.ExtType(draw(st.integers(0, 127)), b"\x00" * 8)}
+        return draw(st.sampled_from([msgpack.packb({"tok": token, **ext}), token + msgpack.packb(ext)]))
     if kind == "deep":
         return b"\x91" * draw(st.integers(1000, 200_000)) + b"\xc0"
     return draw(st.sampled_from([b"\xdf\xff\xff\xff\xff", b"\xdd\xff\xff\xff\xff", b"\xc6\xff\xff\xff\xff" + b"ab"]))
 
 
 def _valid_for(frame: bytes, token: bytes) -> bool:
-    """Would the server accept this frame (our token, a str op)? Such frames are not a stranger's."""
+    """Would the server accept this frame (our token first, then a map with a str op)? Such frames are not a stranger's."""
+    if not frame.startswith(token):
+        return False
     try:
-        obj = msgpack.unpackb(frame, raw=False, strict_map_key=True, max_ext_len=0)
+        obj = msgpack.unpackb(frame[len(token):], raw=False, strict_map_key=True, max_ext_len=0)
     except Exception:
         return False
-    return isinstance(obj, dict) and obj.get("tok") == token and isinstance(obj.get("op"), str)
+    return isinstance(obj, dict) and isinstance(obj.get("op"), str)
 
 
 def test_a_fuzzing_stranger_is_rejected_frame_by_frame_and_changes_nothing(sessions):
@@ -236,7 +239,7 @@ def test_an_oversized_frame_never_reaches_the_engine(sessions):
     before = ours.status()["rejected"]
     ctx, sock = _raw_socket(ours.engine.address)
     try:
-        sock.send(msgpack.packb({"tok": ours.engine.token, "op": "hello", "pad": b"\x00" * DEFAULT_MAX_MESSAGE_BYTES}),
+        sock.send(ours.engine.token + msgpack.packb({"op": "hello", "pad": b"\x00" * DEFAULT_MAX_MESSAGE_BYTES}),
                   copy=False)
         assert not sock.poll(2_000)
     finally:

@@ -329,17 +329,27 @@ def _check_desc(desc: dict[str, Any]) -> dict[str, Any]:
     return desc
 
 
-def open_broadcast(desc: dict[str, Any], device: torch.device | str | None = None) -> BroadcastOpened:
-    """Allocate this rank's slots and join the trainer's group (blocks up to the rendezvous timeout)."""
-    d = _check_desc(desc)
+def open_broadcast(desc: dict[str, Any], device: torch.device | str | None = None, *,
+                   max_wait_s: float | None = None) -> BroadcastOpened:
+    """Allocate this rank's slots and join the trainer's group.
+
+    Blocks up to twice the rendezvous timeout (then the handshake), which ``max_wait_s`` (the engine's own timeout)
+    caps: the trainer's description cannot make a rank wait longer than the rank allows.
+    """
+    d = dict(_check_desc(desc))
+    if max_wait_s is not None:
+        d["rendezvous_timeout_s"] = min(d["rendezvous_timeout_s"], max_wait_s)
+        d["timeout_s"] = min(d["timeout_s"], max_wait_s)
     device = torch.device(device or "cpu")
     _check_device(d["backend"], device)
     rank, world = d["rank"], d["world_size"]
     label = f"the {d['backend']} refit group {d['group'][:8]} at {d['host']}:{d['port']}"
     buffers = [torch.empty(d["nbytes"], dtype=torch.uint8, device=device) for _ in range(d["count"])]
+    started = time.monotonic()
     store = _group_store(_client_store(d["host"], d["port"], d["rendezvous_timeout_s"]), d["group"])
     store.set(f"joined/{rank}", b"1")
-    patience = 2 * d["rendezvous_timeout_s"]  # the trainer decides within one timeout of sending the plans
+    # the trainer decides within one timeout of sending the plans; the whole wait stays within two
+    patience = max(0.1, 2 * d["rendezvous_timeout_s"] - (time.monotonic() - started))
     try:
         store.wait(["decision"], _td(patience))
     except Exception as err:

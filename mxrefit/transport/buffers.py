@@ -127,8 +127,13 @@ def create_buffers(kind: str, count: int, nbytes: int, device: torch.device | st
     raise ValueError(f"unknown transfer buffer kind {kind!r}; expected one of {KINDS}")
 
 
-def open_buffers(desc: dict[str, Any], device: torch.device | str | None = None) -> OpenedBuffers:
-    """Open buffers from an owner's ``describe()``; ValueError if the description is malformed."""
+def open_buffers(desc: dict[str, Any], device: torch.device | str | None = None, *,
+                 max_wait_s: float | None = None) -> OpenedBuffers:
+    """Open buffers from an owner's ``describe()``; ValueError if the description is malformed.
+
+    ``max_wait_s``: the opener's own bound on any wait the description asks for (a broadcast
+    rendezvous), so a peer's message cannot keep the opener busy longer than it allows.
+    """
     if not isinstance(desc, dict):
         raise ValueError(f"a buffer description must be a dict, got {type(desc).__name__}")
     kind = desc.get("kind")
@@ -143,7 +148,7 @@ def open_buffers(desc: dict[str, Any], device: torch.device | str | None = None)
     if kind == "broadcast":
         from mxrefit.transport.broadcast import open_broadcast
 
-        return open_broadcast(desc, device)
+        return open_broadcast(desc, device, max_wait_s=max_wait_s)
     raise ValueError(f"unknown transfer buffer kind {kind!r:.100}; expected one of {PEER_KINDS}")
 
 

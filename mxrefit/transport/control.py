@@ -2,46 +2,67 @@
 
 Why this shape: the refit control traffic is a handful of small messages per step, so it must be
 boring and safe rather than fast. msgpack carries only plain data (never code, unlike pickle), the
-default endpoint is a Unix socket in a private 0700 directory, and every frame carries a 32-byte
-session token, so a stranger that reaches the socket can neither run anything nor be mistaken for
-the peer. Malformed or foreign frames are dropped and answered with ``{"op": "rejected"}``; they
-never raise out of the server.
+default endpoint is a Unix socket in a private 0700 directory, and every frame starts with a 32-byte
+session token that is checked before anything is decoded, so a stranger that reaches the socket can
+neither run anything, nor make the engine decode its bytes, nor be mistaken for the peer. Malformed
+or foreign frames are dropped and answered with ``{"op": "rejected"}``; they never raise out of the
+server. Framing, limits and message kinds: ``mxrefit.transport.protocol``.
 
-Wire format: one zmq message = one msgpack frame, a map with ``"tok"`` (bytes) and ``"op"`` (str).
+Wire format: one zmq message = one frame = the token, then a msgpack map with ``"op"`` (str).
 Only dict/list/str/bytes/int/float/bool/None cross; tuples arrive as lists. The client numbers its
 messages (``"seq"``) and the server's replies name the message they answer (``"re"``), so a reply
 that arrives after its request was given up (a peer that stalled past a timeout) is dropped
-instead of being taken for the answer to a later request.
+instead of being taken for the answer to a later request. Deadlines hold while frames arrive: a
+flood of foreign frames or late replies never extends a wait.
+
+Routing ids: libzmq numbers anonymous peers from ``rand()``, which nothing seeds, so every engine
+would start at the same id and a stranger connecting with those ids first makes libzmq abort the
+process (an id collision is an assertion). The server seeds ``rand()`` from ``secrets`` before it
+makes its ROUTER, so the next anonymous id is one of 2**32 values a peer cannot see. Clients
+choose a random 16-byte id (never starting with a zero byte, libzmq's reserved prefix).
+
+Connections: a ROUTER never closes a peer, so connections that send no authenticated message
+are dropped by the server itself after ``stranger_idle_s`` (and the oldest at once beyond
+``max_strangers``): idle strangers cannot hold the engine's file descriptors.
 
 Threading: zmq sockets are not thread-safe. Use each ControlServer / ControlClient from one thread.
 """
 
 from __future__ import annotations
 
-import hmac
+import ctypes
 import ipaddress
 import logging
 import math
 import os
 import secrets
+import signal
+import socket
+import stat
 import tempfile
+import threading
 import time
 from typing import Any
 
-import msgpack
 import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from mxrefit.transport import protocol
+from mxrefit.transport.protocol import Malformed, Op
 
 log = logging.getLogger("mxrefit.control")
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
 TOKEN_BYTES = 32
-_TOKEN_KEY = "tok"
-_SEQ_KEY = "seq"
-_RE_KEY = "re"
-_MAX_SEQ = 2**63 - 1
 _SOCKET_NAME = "control.sock"
 _MAX_UNIX_PATH = 107
 _MAX_WHY_CHARS = 200
+_ROUTING_ID_BYTES = 16
+_DIR_PREFIX = "mxrefit-"
+_STALE_AFTER_S = 60.0  # a directory younger than this may belong to a server that is about to bind
+_STRANGER_IDLE_S = 10.0  # a connection that sent no authenticated message in this long is dropped
+_MAX_STRANGERS = 64  # ... and beyond this many such connections, the oldest are dropped at once
+_LOG_EVERY_S = 1.0  # rejections are counted each, logged at most this often (a flood must not flood the log)
 
 
 class ControlError(RuntimeError):
@@ -70,8 +91,13 @@ def new_token() -> bytes:
 
 
 def private_ipc_address() -> str:
-    """An ``ipc://`` address inside a new directory only this user can enter (mode 0700)."""
-    directory = tempfile.mkdtemp(prefix="mxrefit-")
+    """An ``ipc://`` address inside a new directory only this user can enter (mode 0700).
+
+    Directories left by servers of this user that were killed (no one listens on their socket)
+    are removed first.
+    """
+    remove_stale_dirs()
+    directory = tempfile.mkdtemp(prefix=_DIR_PREFIX)
     os.chmod(directory, 0o700)
     path = os.path.join(directory, _SOCKET_NAME)
     if len(path.encode()) > _MAX_UNIX_PATH:
@@ -80,6 +106,77 @@ def private_ipc_address() -> str:
             f"Unix socket path {path!r} is longer than {_MAX_UNIX_PATH} bytes; set TMPDIR to a shorter directory"
         )
     return f"ipc://{path}"
+
+
+def remove_stale_dirs(parent: str | None = None) -> list[str]:
+    """Remove this user's ``mxrefit-*`` socket directories whose server is gone; returns them.
+
+    Gone: the socket refuses connections (nobody listens), or there is no socket and the directory
+    is older than a server takes to bind. A SIGKILLed engine leaves such a directory behind.
+    """
+    parent = parent or tempfile.gettempdir()
+    removed = []
+    try:
+        names = [n for n in os.listdir(parent) if n.startswith(_DIR_PREFIX)]
+    except OSError:
+        return removed
+    for name in names:
+        directory = os.path.join(parent, name)
+        try:
+            st = os.lstat(directory)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or not _is_dead(directory, st.st_mtime):
+            continue
+        _remove_private_dir(directory)
+        if not os.path.exists(directory):
+            removed.append(directory)
+    return removed
+
+
+def _is_dead(directory: str, mtime: float) -> bool:
+    path = os.path.join(directory, _SOCKET_NAME)
+    if not os.path.exists(path):
+        return time.time() - mtime > _STALE_AFTER_S and not os.listdir(directory)
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return False
+
+
+_LIVE_DIRS: set[str] = set()
+_previous_sigterm: Any = None
+
+
+def _register_dir(directory: str) -> None:
+    """Remember a server's directory, so that SIGTERM (which skips ``close``) still removes it."""
+    global _previous_sigterm
+    _LIVE_DIRS.add(directory)
+    if _previous_sigterm is not None or threading.current_thread() is not threading.main_thread():
+        return
+    current = signal.getsignal(signal.SIGTERM)
+    if current in (signal.SIG_IGN, None):
+        return
+    _previous_sigterm = current
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """Remove the live servers' directories, then do what SIGTERM did before (by default: die of it)."""
+    for directory in list(_LIVE_DIRS):
+        _remove_private_dir(directory)
+    _LIVE_DIRS.clear()
+    if callable(_previous_sigterm):
+        _previous_sigterm(signum, frame)
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 class _Deadline:
@@ -98,52 +195,35 @@ class _Deadline:
         return self._end is not None and time.monotonic() >= self._end
 
 
-def _pack(obj: dict[str, Any]) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
-
-
-def _unpack(raw: bytes) -> Any:
-    """Decode untrusted bytes; any failure becomes _Invalid, since a stranger's bytes must never raise out."""
-    try:
-        return msgpack.unpackb(raw, raw=False, strict_map_key=True, max_ext_len=0)
-    except Exception as err:
-        raise _Invalid(f"undecodable frame: {type(err).__name__}: {err}") from None
-
-
 def _encode(msg: dict[str, Any], token: bytes, limit: int, number: tuple[str, int] | None = None) -> bytes:
-    """Add the token (and ``number``: ``("seq", n)`` or ``("re", n)``) and pack; refuse messages the peer would drop."""
+    """Frame ``msg`` with the token (and ``number``: ``("seq", n)`` or ``("re", n)``); refuse messages the peer would drop."""
     if not isinstance(msg, dict):
         raise TypeError(f"a control message must be a dict, not {type(msg).__name__}")
-    op = msg.get("op")
+    op = msg.get(protocol.OP)
     if not isinstance(op, str):
         raise ValueError(f"a control message needs a str 'op', got {op!r}")
-    if _TOKEN_KEY in msg:
-        raise ValueError(f"'{_TOKEN_KEY}' is reserved for the session token (op {op!r})")
-    if _SEQ_KEY in msg or _RE_KEY in msg:
-        raise ValueError(f"'{_SEQ_KEY}' and '{_RE_KEY}' are reserved for message numbers (op {op!r})")
+    if protocol.SEQ in msg or protocol.RE in msg:
+        raise ValueError(f"'{protocol.SEQ}' and '{protocol.RE}' are reserved for message numbers (op {op!r})")
     extra = {} if number is None else {number[0]: number[1]}
     try:
-        frame = _pack({**msg, **extra, _TOKEN_KEY: token})
+        data = protocol.frame(token, {**msg, **extra})
     except (TypeError, ValueError, OverflowError) as err:
         raise TypeError(f"op {op!r} carries a value msgpack cannot encode as plain data: {err}") from err
-    if len(frame) > limit:
-        raise ValueError(f"op {op!r} is {len(frame)} bytes encoded, over the {limit}-byte message limit")
-    return frame
+    if len(data) > limit:
+        raise ValueError(f"op {op!r} is {len(data)} bytes encoded, over the {limit}-byte message limit")
+    return data
 
 
-def _check_map(obj: Any, token: bytes, number_key: str) -> tuple[dict[str, Any], int | None]:
-    """Return the message without its token and its number (``number_key``, None if absent), or raise _Invalid."""
-    if not isinstance(obj, dict):
-        raise _Invalid(f"frame is a msgpack {type(obj).__name__}, not a map")
-    tok = obj.pop(_TOKEN_KEY, None)
-    if not isinstance(tok, bytes) or not hmac.compare_digest(tok, token):
+def _authenticated(data: bytes, token: bytes, number_key: str) -> tuple[dict[str, Any], int | None]:
+    """The message in ``data`` and its number, or _Invalid: the token is checked before anything is decoded."""
+    body = protocol.authenticated_body(data, token)
+    if body is None:
         raise _Invalid("missing or wrong session token")
-    if not isinstance(obj.get("op"), str):
-        raise _Invalid("missing or non-string 'op'")
-    number = obj.pop(number_key, None)
-    if number is not None and (isinstance(number, bool) or not isinstance(number, int) or not 0 <= number <= _MAX_SEQ):
-        raise _Invalid(f"'{number_key}' must be an int in [0, 2**63), got {number!r:.40}")
-    return obj, number
+    try:
+        msg = protocol.decode(body)
+        return msg, protocol.number(msg, number_key)
+    except Malformed as bad:
+        raise _Invalid(bad.why) from None
 
 
 def _poll_frames(sock: zmq.Socket, poller: zmq.Poller, deadline: _Deadline, peer: str, step: str) -> list[bytes]:
@@ -154,8 +234,14 @@ def _poll_frames(sock: zmq.Socket, poller: zmq.Poller, deadline: _Deadline, peer
                 return sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 pass
-        if deadline.expired():
-            raise PeerTimeout(f"no message from {peer} within {deadline.timeout_s:g} s while {step}")
+        _check_deadline(deadline, peer, step)
+
+
+def _check_deadline(deadline: _Deadline, peer: str, step: str) -> None:
+    """PeerTimeout once the deadline passed; callers that skip unwanted frames call it per frame,
+    so a flood of them never extends a wait."""
+    if deadline.expired():
+        raise PeerTimeout(f"no message from {peer} within {deadline.timeout_s:g} s while {step}")
 
 
 def _tcp_host(address: str) -> str:
@@ -212,32 +298,106 @@ def _ipc_path(address: str) -> str | None:
     return address[len("ipc://"):] if address.startswith("ipc://") else None
 
 
+class _Strangers:
+    """The server's connections that have not sent one authenticated message, by fd; idle ones are dropped.
+
+    Why: a ROUTER cannot close a peer, and every connection holds an fd for as long as the peer
+    keeps it open, so a stranger opening enough idle connections exhausts the engine's fds (and
+    libzmq then spins on accept). The socket monitor names each accepted connection's fd and every
+    frame names its source (``ZMQ_SRCFD``), so the connections that never authenticated are known;
+    ``shutdown`` (not close: libzmq owns the fd) makes libzmq drop one. A trainer whose connection
+    was dropped before its first message reconnects by itself (libzmq reconnects DEALERs).
+    """
+
+    def __init__(self, sock: zmq.Socket, idle_s: float, most: int) -> None:
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
+        self.idle_s, self.most = idle_s, most
+        self.since: dict[int, float] = {}
+        self.dropped = 0
+
+    def read_events(self) -> None:
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
+            fd = int(event["value"])
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                self.since[fd] = time.monotonic()
+            else:
+                self.since.pop(fd, None)
+
+    def trusted(self, frame: zmq.Frame) -> None:
+        """The connection ``frame`` came on authenticated: it is never dropped."""
+        try:
+            self.since.pop(frame.get(zmq.SRCFD), None)
+        except zmq.ZMQError:
+            pass
+
+    def sweep(self) -> None:
+        """Drop the connections idle past ``idle_s`` and the oldest beyond ``most``."""
+        self.read_events()
+        now = time.monotonic()
+        oldest = sorted(self.since, key=self.since.__getitem__)
+        drop = set(oldest[: max(0, len(oldest) - self.most)]) | {fd for fd in oldest if now - self.since[fd] > self.idle_s}
+        for fd in drop:
+            self.since.pop(fd)
+            try:
+                with socket.socket(fileno=os.dup(fd)) as conn:
+                    conn.shutdown(socket.SHUT_RDWR)
+                self.dropped += 1
+            except OSError:
+                pass
+
+    def wake_ms(self) -> int | None:
+        """How soon the next idle connection is due (None: none is tracked)."""
+        if not self.since:
+            return None
+        return max(0, math.ceil((min(self.since.values()) + self.idle_s - time.monotonic()) * 1000)) + 10
+
+    def close(self, sock: zmq.Socket) -> None:
+        if not sock.closed:
+            sock.disable_monitor()
+        self.monitor.close(linger=0)
+
+
 class ControlServer:
     """Engine side: a ROUTER socket that answers the one trainer holding the token.
 
-    Use from a single thread. ``rejected`` counts dropped frames (strangers, garbage).
+    Use from a single thread. ``rejected`` counts dropped frames (strangers, garbage). Connections
+    that send no authenticated message are dropped after ``stranger_idle_s``, and at once beyond
+    ``max_strangers`` of them (``_Strangers``).
     """
 
     def __init__(self, address: str | None = None, *, token: bytes | None = None, tcp: bool = False,
-                 allow_remote: bool = False, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+                 allow_remote: bool = False, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 stranger_idle_s: float = _STRANGER_IDLE_S, max_strangers: int = _MAX_STRANGERS) -> None:
         self.token: bytes = new_token() if token is None else _checked_token(token)
         self.max_message_bytes = _checked_limit(max_message_bytes)
         self.rejected: int = 0
+        self._logged_at = -_LOG_EVERY_S
+        self._unlogged = 0
         self._peer_identity: bytes | None = None
         self._reply_to: int | None = None
         self._private_dir: str | None = None
+        self._strangers: _Strangers | None = None
         bind_to = self._choose_address(address, tcp, allow_remote)
+        _seed_routing_ids()
         self._ctx, self._sock = _new_socket(zmq.ROUTER, bind_to, max_message_bytes)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         try:
             self._sock.bind(bind_to)
             self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
             self._restrict_socket_file()
+            self._strangers = _Strangers(self._sock, stranger_idle_s, max_strangers)
         except BaseException:
             self.close()
             raise
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._strangers.monitor, zmq.POLLIN)
+
+    @property
+    def dropped_connections(self) -> int:
+        """Connections dropped for never authenticating (idle, or too many)."""
+        return self._strangers.dropped
 
     def _choose_address(self, address: str | None, tcp: bool, allow_remote: bool) -> str:
         if address is None:
@@ -245,6 +405,7 @@ class ControlServer:
                 return "tcp://127.0.0.1:*"
             chosen = private_ipc_address()
             self._private_dir = os.path.dirname(chosen[len("ipc://"):])
+            _register_dir(self._private_dir)
             return chosen
         if tcp and not address.startswith("tcp://"):
             raise ValueError(f"tcp=True conflicts with the non-tcp address {address!r}")
@@ -265,27 +426,41 @@ class ControlServer:
         self._require_open()
         deadline = _Deadline(timeout_s)
         while True:
-            frames = _poll_frames(self._sock, self._poller, deadline, self._peer, step)
-            try:
-                msg, seq = self._validate(frames)
-            except _Invalid as bad:
-                self._reject(frames[0], bad.why)
-                continue
-            self._peer_identity, self._reply_to = frames[0], seq
-            return msg
-
-    def _validate(self, frames: list[bytes]) -> tuple[dict[str, Any], int | None]:
-        if len(frames) != 2:
-            raise _Invalid(f"expected one frame per message, got {len(frames) - 1}")
-        return _check_map(_unpack(frames[1]), self.token, _SEQ_KEY)
+            self._strangers.sweep()
+            waits = [w for w in (deadline.remaining_ms(), self._strangers.wake_ms()) if w is not None]
+            ready = dict(self._poller.poll(min(waits) if waits else None))
+            if self._sock in ready:
+                try:
+                    frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    frames = None
+                if frames is not None:
+                    identity = frames[0].bytes
+                    try:
+                        if len(frames) != 2:
+                            raise _Invalid(f"expected one frame per message, got {len(frames) - 1}")
+                        msg, seq = _authenticated(frames[1].bytes, self.token, protocol.SEQ)
+                    except _Invalid as bad:
+                        self._reject(identity, bad.why)
+                    else:
+                        self._strangers.trusted(frames[1])
+                        self._peer_identity, self._reply_to = identity, seq
+                        return msg
+            _check_deadline(deadline, self._peer, step)
 
     def _reject(self, identity: bytes, why: str) -> None:
-        """Count, log and answer a dropped frame; the answer carries no token and may be lost."""
+        """Count, log (rate-limited) and answer a dropped frame; the answer carries no token and may be lost."""
         self.rejected += 1
-        log.warning("rejected a control frame from connection %s on %s: %s", identity.hex()[:16],
-                    self.address, why)
+        now = time.monotonic()
+        if now - self._logged_at >= _LOG_EVERY_S:
+            more = f" (and {self._unlogged} more since the last one logged)" if self._unlogged else ""
+            log.warning("rejected a control frame from connection %s on %s: %s%s", identity.hex()[:16],
+                        self.address, why, more)
+            self._logged_at, self._unlogged = now, 0
+        else:
+            self._unlogged += 1
         try:
-            self._sock.send_multipart([identity, _pack({"op": "rejected", "why": why})], zmq.NOBLOCK)
+            self._sock.send_multipart([identity, protocol.encode({protocol.OP: Op.REJECTED, "why": why})], zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
 
@@ -294,7 +469,7 @@ class ControlServer:
         self._require_open()
         if self._peer_identity is None:
             raise ControlError(f"nothing to reply to on {self.address}: no valid message received yet")
-        number = None if self._reply_to is None else (_RE_KEY, self._reply_to)
+        number = None if self._reply_to is None else (protocol.RE, self._reply_to)
         frame = _encode(msg, self.token, self.max_message_bytes, number)
         try:
             self._sock.send_multipart([self._peer_identity, frame])
@@ -307,9 +482,12 @@ class ControlServer:
 
     def close(self) -> None:
         """Close the socket and remove the socket file and private directory this server created."""
+        if self._strangers is not None:
+            self._strangers.close(self._sock)
         _close_socket(self._ctx, self._sock)
         if self._private_dir is not None:
             _remove_private_dir(self._private_dir)
+            _LIVE_DIRS.discard(self._private_dir)
             self._private_dir = None
 
     def __enter__(self) -> ControlServer:
@@ -354,6 +532,7 @@ class ControlClient:
         self.token = _checked_token(token)
         self.max_message_bytes = _checked_limit(max_message_bytes)
         self._ctx, self._sock = _new_socket(zmq.DEALER, address, max_message_bytes)
+        self._sock.setsockopt(zmq.ROUTING_ID, b"\x01" + secrets.token_bytes(_ROUTING_ID_BYTES - 1))
         try:
             self._sock.connect(address)
         except BaseException:
@@ -372,7 +551,7 @@ class ControlClient:
         """Send one message and return its number; ValueError if it is over the size limit (named by op and size)."""
         self._require_open()
         seq = self._last_seq + 1
-        self._sock.send(_encode(msg, self.token, self.max_message_bytes, (_SEQ_KEY, seq)))
+        self._sock.send(_encode(msg, self.token, self.max_message_bytes, (protocol.SEQ, seq)))
         self._last_seq = seq
         return seq
 
@@ -388,18 +567,16 @@ class ControlClient:
             frames = _poll_frames(self._sock, self._poller, deadline, self._peer, step)
             if len(frames) != 1:
                 raise ProtocolError(f"{self._peer} sent {len(frames)} frames while {step}; expected 1")
+            rejection = None if frames[0].startswith(self.token) else protocol.decode_rejection(frames[0])
+            if rejection is not None:
+                return rejection
             try:
-                obj = _unpack(frames[0])
-            except _Invalid as bad:
-                raise ProtocolError(f"{self._peer} sent a bad reply while {step}: {bad.why}") from None
-            if _is_rejection(obj):
-                return obj
-            try:
-                msg, answers = _check_map(obj, self.token, _RE_KEY)
+                msg, answers = _authenticated(frames[0], self.token, protocol.RE)
             except _Invalid as bad:
                 raise ProtocolError(f"{self._peer} sent a bad reply while {step}: {bad.why}") from None
             if answers is not None and answers < self._stale_below:
                 log.info("dropped a late %r reply from %s to message %d while %s", msg["op"], self._peer, answers, step)
+                _check_deadline(deadline, self._peer, step)
                 continue
             return msg
 
@@ -427,6 +604,14 @@ class ControlClient:
         self.close()
 
 
-def _is_rejection(obj: Any) -> bool:
-    """The server answers foreign frames without a token, so a rejection is the one tokenless reply."""
-    return isinstance(obj, dict) and _TOKEN_KEY not in obj and obj.get("op") == "rejected"
+def _seed_routing_ids() -> None:
+    """Seed libc's ``rand()``, from which libzmq draws a new ROUTER's first anonymous routing id.
+
+    Unseeded, every engine's first id is the same known value, and a stranger that connected
+    with the next ids first makes libzmq abort the process on the collision. A secret seed makes
+    the ids unguessable (one of 2**32 per engine); reseeding only changes what later rand() calls return.
+    """
+    libc = ctypes.CDLL(None)
+    srand = getattr(libc, "srand", None)
+    if srand is not None:
+        srand(ctypes.c_uint(int.from_bytes(secrets.token_bytes(4), "little")))

@@ -15,10 +15,17 @@ Two kinds, chosen by where the engine's tensors live:
   CPU engines and the tests run the same path.
 
 Who writes when is the control protocol's job, as for buffers.
+
+The opener (the trainer) writes into memory the engine names, so it trusts a named shm segment
+only if its own user owns it (the engine then runs as this user: a segment of another user, or
+the engine's of another uid, is refused) and it is as large as described; ``OpenedExports.verify``
+re-checks before each refit that no segment shrank (a write past a shrunk segment's end is a
+SIGBUS). A process of the trainer's own user could also ptrace or kill it, so that is the bound.
 """
 
 from __future__ import annotations
 
+import os
 import secrets
 import weakref
 from collections.abc import Mapping
@@ -155,9 +162,16 @@ def _describe_cuda(storages: list[torch.UntypedStorage]) -> dict[str, Any]:
 class OpenedExports:
     """The peer's view of exported tensors: ``tensors[name]`` is a flat uint8 tensor."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], keepalive: list[Any]):
+    def __init__(self, tensors: dict[str, torch.Tensor], keepalive: list[Any],
+                 segments: list[tuple[str, int, int]] | None = None):
         self.tensors = tensors
         self._keepalive = keepalive
+        self._segments = segments or []  # shm: (name, inode, bytes this side writes into)
+
+    def verify(self) -> None:
+        """ValueError unless every shm segment is still the one opened, owned by this user and large enough."""
+        for name, inode, size in self._segments:
+            _checked_segment_stat(name, size, inode)
 
     def close(self) -> None:
         """Drop this process's views; the owner's memory is never freed from here."""
@@ -209,10 +223,36 @@ def _open_shm(desc: dict[str, Any], device: torch.device | str | None) -> Opened
             raise ValueError(f"bad shared memory segment {seg!r:.100}")
         sizes.append(check_int(seg[1], "segment size", 1, MAX_BUFFER_BYTES))
     rows = _check_rows(desc["tensors"], sizes)
+    checked = []
     for (name, _), size in zip(segments, sizes):
+        inode = _checked_segment_stat(name, size)
         bases.append(_tensor_over(_map_segment(name), size, name))
+        checked.append((name, inode, size))
     tensors = {name: bases[i][off : off + n] for name, i, off, n in rows}
-    return OpenedExports(tensors, bases)
+    return OpenedExports(tensors, bases, checked)
+
+
+def _checked_segment_stat(name: str, size: int, inode: int | None = None) -> int:
+    """The inode of shm segment ``name`` after checking it may be written: owned by this user, at
+    least ``size`` bytes (and, given ``inode``, still that segment). ValueError otherwise."""
+    import _posixshmem
+
+    try:
+        fd = _posixshmem.shm_open("/" + name, os.O_RDONLY, mode=0o600)
+    except OSError as err:
+        raise ValueError(f"exported shared memory segment {name!r} cannot be opened: {err}") from None
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    if st.st_uid != os.geteuid():
+        raise ValueError(f"exported shared memory segment {name!r} belongs to uid {st.st_uid}, not to this user "
+                         f"({os.geteuid()}): direct writes go only into this user's segments; use buffers")
+    if st.st_size < size:
+        raise ValueError(f"exported shared memory segment {name!r} has {st.st_size} bytes, fewer than the {size} described")
+    if inode is not None and st.st_ino != inode:
+        raise ValueError(f"exported shared memory segment {name!r} was replaced since it was opened")
+    return st.st_ino
 
 
 def _open_cuda(desc: dict[str, Any], device: torch.device | str | None) -> OpenedExports:

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mxrefit.transport.control import ControlClient, ControlError, PeerTimeout
+from mxrefit.transport.protocol import REPLIES, Malformed, Op, check_reply
 
 _TIMINGS = ("fetch_s", "apply_s", "process_s", "after_refit_s")
 _SAME = ("bucket", "digest")
@@ -184,7 +185,12 @@ class ControlFanOut:
     # ---- merging ---------------------------------------------------------------------------
     def _merge(self, replies: dict[int, dict[str, Any]]) -> dict[str, Any]:
         for i, r in replies.items():
-            if r.get("op") in ("error", "rejected"):
+            try:
+                check_reply(r, *REPLIES)  # each rank's fields are typed before they are merged
+            except Malformed as bad:
+                return {"op": Op.ERROR, "kind": "protocol", "problems": [f"{self.names[i]} broke the protocol: {bad.why}"]}
+        for i, r in replies.items():
+            if r["op"] in (Op.ERROR, Op.REJECTED):
                 problems = [f"{self.names[i]}: {p}" for p in (r.get("problems") or [r.get("why", "")])]
                 return {**r, "problems": problems, **combined_status(replies, self.lost, self.names)}
         first_i, first = next(iter(replies.items()))
@@ -192,13 +198,15 @@ class ControlFanOut:
             values = {i: r.get(key) for i, r in replies.items()}
             if len(set(map(repr, values.values()))) > 1:
                 said = ", ".join(f"{self.names[i]}: {v!r}" for i, v in values.items())
-                return {"op": "error", "kind": "protocol", "problems": [f"engine ranks answered different {key}s ({said})"]}
+                return {"op": Op.ERROR, "kind": "protocol", "problems": [f"engine ranks answered different {key}s ({said})"]}
         merged = dict(first)
-        if first["op"] == "tables":
+        if first["op"] == Op.PLANNED:  # each rank names its own adoption; a begin echoes them all
+            merged["adoption"] = [r["adoption"] if isinstance(r["adoption"], str) else "" for r in replies.values()]
+        if first["op"] == Op.TABLES:
             problems = [p for i, r in replies.items() if i != first_i
                         for p in _table_differences(self.names[i], r, first, self.names[first_i])]
             if problems:
-                return {"op": "error", "kind": "plan_mismatch",
+                return {"op": Op.ERROR, "kind": "plan_mismatch",
                         "problems": ["engine ranks describe different models; every rank must give the whole-model "
                                      "tables (slices go in shards()):", *problems]}
             merged["exportable"] = all(r.get("exportable") for r in replies.values())
