@@ -48,7 +48,8 @@ class ModelShape:
     ``intermediate`` is the dense MLP width (0 for a pure MoE, where every layer is sparse).
     ``tp_share`` and ``ep_share`` are 1 for a whole model; for one rank's share they give the
     tensor- and expert-parallel degrees, so that the global vocabulary is ``vocab * tp_share``
-    and the replicated router has ``experts * ep_share`` rows.
+    and the replicated router has ``experts * ep_share`` rows. ``dtype`` is what unquantized
+    tensors are held in (an engine may run float16 or float32, e.g. on older GPUs or CPU).
     """
 
     name: str
@@ -65,6 +66,7 @@ class ModelShape:
     arch: str = "qwen3"
     tp_share: int = 1
     ep_share: int = 1
+    dtype: torch.dtype = DTYPE
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -86,8 +88,9 @@ class ModelShape:
         return self.experts * self.ep_share
 
     @classmethod
-    def from_hf_config(cls, config: Any, name: str = "hf") -> "ModelShape":
-        """Read a transformers Qwen3Config / Qwen3MoeConfig / LlamaConfig.
+    def from_hf_config(cls, config: Any, name: str = "hf", dtype: torch.dtype = DTYPE) -> "ModelShape":
+        """Read a transformers Qwen3Config / Qwen3MoeConfig / LlamaConfig; ``dtype``: the one the
+        engine holds unquantized tensors in (the config's own may differ from what it runs).
 
         Raises ValueError for features the tensor list does not model (biases, dense layers
         mixed into a MoE, shared experts), rather than return a list that is silently wrong.
@@ -118,6 +121,7 @@ class ModelShape:
             moe_intermediate=config.moe_intermediate_size if experts else 0,
             tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             arch="llama" if model_type == "llama" else "qwen3",
+            dtype=dtype,
         )
 
 
@@ -155,44 +159,44 @@ Spec = tuple[str, tuple[int, ...], torch.dtype]
 
 def _layer_specs(shape: ModelShape, i: int, experts: str) -> list[Spec]:
     p = f"model.layers.{i}"
-    h, hd = shape.hidden, shape.head_dim
+    h, hd, dt = shape.hidden, shape.head_dim, shape.dtype
     out: list[Spec] = [
-        (f"{p}.self_attn.q_proj.weight", (shape.heads * hd, h), DTYPE),
-        (f"{p}.self_attn.k_proj.weight", (shape.kv_heads * hd, h), DTYPE),
-        (f"{p}.self_attn.v_proj.weight", (shape.kv_heads * hd, h), DTYPE),
-        (f"{p}.self_attn.o_proj.weight", (h, shape.heads * hd), DTYPE),
+        (f"{p}.self_attn.q_proj.weight", (shape.heads * hd, h), dt),
+        (f"{p}.self_attn.k_proj.weight", (shape.kv_heads * hd, h), dt),
+        (f"{p}.self_attn.v_proj.weight", (shape.kv_heads * hd, h), dt),
+        (f"{p}.self_attn.o_proj.weight", (h, shape.heads * hd), dt),
     ]
     if shape.arch == "qwen3":
-        out += [(f"{p}.self_attn.q_norm.weight", (hd,), DTYPE), (f"{p}.self_attn.k_norm.weight", (hd,), DTYPE)]
+        out += [(f"{p}.self_attn.q_norm.weight", (hd,), dt), (f"{p}.self_attn.k_norm.weight", (hd,), dt)]
     if shape.is_moe:
         e_n, mi = shape.experts, shape.moe_intermediate
         if experts == "grouped":
             out += [
-                (f"{p}.mlp.experts.gate_up_proj", (e_n, 2 * mi, h), DTYPE),
-                (f"{p}.mlp.experts.down_proj", (e_n, h, mi), DTYPE),
+                (f"{p}.mlp.experts.gate_up_proj", (e_n, 2 * mi, h), dt),
+                (f"{p}.mlp.experts.down_proj", (e_n, h, mi), dt),
             ]
         else:
             for e in range(e_n):
                 q = f"{p}.mlp.experts.{e}"
                 out += [
-                    (f"{q}.gate_proj.weight", (mi, h), DTYPE),
-                    (f"{q}.up_proj.weight", (mi, h), DTYPE),
-                    (f"{q}.down_proj.weight", (h, mi), DTYPE),
+                    (f"{q}.gate_proj.weight", (mi, h), dt),
+                    (f"{q}.up_proj.weight", (mi, h), dt),
+                    (f"{q}.down_proj.weight", (h, mi), dt),
                 ]
-        out.append((f"{p}.mlp.gate.weight", (shape.router_experts, h), DTYPE))
+        out.append((f"{p}.mlp.gate.weight", (shape.router_experts, h), dt))
     else:
         im = shape.intermediate
         out += [
-            (f"{p}.mlp.gate_proj.weight", (im, h), DTYPE),
-            (f"{p}.mlp.up_proj.weight", (im, h), DTYPE),
-            (f"{p}.mlp.down_proj.weight", (h, im), DTYPE),
+            (f"{p}.mlp.gate_proj.weight", (im, h), dt),
+            (f"{p}.mlp.up_proj.weight", (im, h), dt),
+            (f"{p}.mlp.down_proj.weight", (h, im), dt),
         ]
-    out += [(f"{p}.input_layernorm.weight", (h,), DTYPE), (f"{p}.post_attention_layernorm.weight", (h,), DTYPE)]
+    out += [(f"{p}.input_layernorm.weight", (h,), dt), (f"{p}.post_attention_layernorm.weight", (h,), dt)]
     return out
 
 
 def hf_tensor_specs(shape: ModelShape, *, experts: str = "per_expert") -> list[Spec]:
-    """Every trainer tensor as ``(HF name, shape, bfloat16)``, layer by layer in transformers' order.
+    """Every trainer tensor as ``(HF name, shape, shape.dtype)``, layer by layer in transformers' order.
 
     ``experts`` picks the MoE expert layout: ``"per_expert"`` (checkpoint names, one
     ``[I, H]``/``[I, H]``/``[H, I]`` triple per expert) or ``"grouped"`` (transformers 5's
@@ -201,10 +205,11 @@ def hf_tensor_specs(shape: ModelShape, *, experts: str = "per_expert") -> list[S
     """
     if experts not in EXPERT_LAYOUTS:
         raise ValueError(f"experts must be one of {EXPERT_LAYOUTS}, got {experts!r}")
-    specs: list[Spec] = [("model.embed_tokens.weight", (shape.vocab, shape.hidden), DTYPE)]
+    dt = shape.dtype
+    specs: list[Spec] = [("model.embed_tokens.weight", (shape.vocab, shape.hidden), dt)]
     for i in range(shape.layers):
         specs += _layer_specs(shape, i, experts)
-    specs.append(("model.norm.weight", (shape.hidden,), DTYPE))
+    specs.append(("model.norm.weight", (shape.hidden,), dt))
     if not shape.tied_embeddings:
-        specs.append(("lm_head.weight", (shape.vocab, shape.hidden), DTYPE))
+        specs.append(("lm_head.weight", (shape.vocab, shape.hidden), dt))
     return specs

