@@ -59,7 +59,9 @@ fi
 has mx && oracle dense_mxfp8_ext --model dense --fmt mxfp8 --via ext
 has fp8 && oracle dense_fp8block_ext --model dense --fmt fp8-block --via ext
 if has moehang; then
-  MXREFIT_FAULTHANDLER_S=${HANG_DUMP_S:-20} timeout 400 python3 scripts/vllm_moe_hang.py --timeout ${HANG_S:-170} \
+  # periodic dumps (HANG_DUMP_S > 0) crashed vLLM processes at start-up (SIGSEGV in the timer's dump, 2026-12-04):
+  # the default is SIGUSR1 at the deadline only
+  MXREFIT_FAULTHANDLER_S=${HANG_DUMP_S:-0} timeout 400 python3 scripts/vllm_moe_hang.py --timeout ${HANG_S:-170} \
     --variants ${HANG_VARIANTS:-auto-profile,auto-eager-tokens-scale,triton-eager-tokens-scale,bf16-eager-tokens-scale} \
     --log $RES/moe_hang.log --json $RES/moe_hang.json > $RES/moe_hang.out 2>&1 &
   pids+=($!)
@@ -67,7 +69,9 @@ if has moehang; then
   oracle moe_mxfp8_triton_ext --model moe --fmt mxfp8 --via ext --moe-backend triton
 fi
 if has headline; then
-  PYTHONPATH=$PYTHONPATH:$PWD/scripts/vllm_hooks/noray timeout ${HEADLINE_TIMEOUT:-500} python3 scripts/vllm_headline.py \
+  # vLLM's own IPC path: its update_info carries torch's rebuild_cuda_tensor arguments (a torch dtype among them),
+  # which vLLM's msgspec RPC refuses unless the pickle fallback is allowed (mxrefit's own channel never pickles)
+  VLLM_ALLOW_INSECURE_SERIALIZATION=1 PYTHONPATH=$PYTHONPATH:$PWD/scripts/vllm_hooks/noray timeout ${HEADLINE_TIMEOUT:-500} python3 scripts/vllm_headline.py \
     --fmts ${HEADLINE_FMTS:-mxfp8,bf16} ${HEADLINE_ARGS:-} --json $RES/headline.json > $RES/headline.log 2>&1 &
   pids+=($!)
 fi

@@ -5,7 +5,8 @@ process that starts (the script, vLLM's engine core and workers, spawned or fork
 all its threads' stacks to ``<dir>/fh_<pid>.txt`` on SIGUSR1, and every
 ``MXREFIT_FAULTHANDLER_S`` seconds if that is set (a timer; a forked child re-arms it).
 ``scripts/vllm_moe_hang.py`` sends SIGUSR1 to the whole process tree before it kills a hung
-start. Python has no py-spy here; faulthandler is in the standard library.
+start. Seen on the H200 (2026-12-04): the periodic timer (``MXREFIT_FAULTHANDLER_S=20``) killed
+vLLM processes with SIGSEGV during their imports and stalled others; SIGUSR1 alone did not. Python has no py-spy here; faulthandler is in the standard library.
 """
 
 import os
