@@ -348,3 +348,94 @@ def write_fake(root: str, shape: dict) -> str:
         with open(path, "w") as f:
             f.write(textwrap.dedent(text))
     return root
+
+
+# ---- the reload side: what the engine's adapters read (meta.SKIP_TENSORS, weight_utils,
+# the unquantized MoE method's _setup_kernel), per release ----------------------------------
+
+_QUANT_BASE = '''
+class QuantizeMethodBase:
+    def process_weights_after_loading(self, layer):
+        pass
+'''
+
+# 0.34's weight_utils.finalize_model_weights, minus the device-offload context
+_FINALIZE_0_34 = '''
+def finalize_model_weights(model, target_device=None):
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    seen = set()
+
+    def children_first(module):
+        quantized = isinstance(getattr(module, "quant_method", None), QuantizeMethodBase)
+        for child in [] if quantized else module.children():
+            if child not in seen:
+                seen.add(child)
+                yield from children_first(child)
+        yield module
+
+    for module in children_first(model):
+        if isinstance(module, QuantizeMethodBase):
+            continue
+        hook = getattr(module, "process_weights_after_loading", None)
+        if callable(hook):
+            hook()
+'''
+
+# _setup_kernel's tail: 0.32-0.34 run the experts' post-load step on the first build only;
+# 0.26/0.27 have no such step
+_SETUP_0_26 = '''
+class UnquantizedFusedMoEMethod:
+    moe_kernel = None
+
+    def _setup_kernel(self, layer, w13, w2):
+        is_weight_update = self.moe_kernel is not None
+        if not is_weight_update:
+            self.moe_kernel = object()
+'''
+
+_SETUP_0_32 = '''
+class UnquantizedFusedMoEMethod:
+    moe_kernel = None
+
+    def _setup_kernel(self, layer, w13, w2):
+        is_weight_update = self.moe_kernel is not None
+        if not is_weight_update:
+            self._init_moe_kernel(layer)
+            self.moe_kernel.fused_experts.process_weights_after_loading(layer)
+'''
+
+_SKIP_0_26 = 'SKIP_TENSORS = {"_expert_map", "expert_mask", "e_score_correction_bias"}\n'
+_SKIP_0_27 = 'SKIP_LOAD_TENSORS = {"_expert_map", "expert_mask", "e_score_correction_bias"}\n' \
+             'SKIP_TENSORS = SKIP_LOAD_TENSORS | {"bias"}\n'
+
+RELOAD_SHAPES: dict[str, dict[str, str]] = {
+    "0.26": {"skip": _SKIP_0_26, "finalize": "", "setup": _SETUP_0_26},
+    "0.27": {"skip": _SKIP_0_27, "finalize": "", "setup": _SETUP_0_26},
+    "0.32": {"skip": _SKIP_0_27, "finalize": "", "setup": _SETUP_0_32},
+    "0.34": {"skip": _SKIP_0_27, "finalize": _FINALIZE_0_34, "setup": _SETUP_0_32},
+}
+
+
+def write_reload_fake(root: str, name: str) -> str:
+    """A fake ``vllm`` holding the reload-side modules of release ``name`` under ``root``."""
+    shape = RELOAD_SHAPES[name]
+    files = {
+        "__init__.py": _INIT.format(version=name + ".0"),
+        "model_executor/__init__.py": "",
+        "model_executor/model_loader/__init__.py": "",
+        "model_executor/model_loader/reload/__init__.py": "",
+        "model_executor/model_loader/reload/meta.py": shape["skip"],
+        "model_executor/model_loader/weight_utils.py": shape["finalize"],
+        "model_executor/layers/__init__.py": "",
+        "model_executor/layers/quantization/__init__.py": "",
+        "model_executor/layers/quantization/base_config.py": _QUANT_BASE,
+        "model_executor/layers/fused_moe/__init__.py": "",
+        "model_executor/layers/fused_moe/unquantized_fused_moe_method.py": shape["setup"],
+    }
+    for rel, text in files.items():
+        path = os.path.join(root, "vllm", rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(textwrap.dedent(text))
+    return root

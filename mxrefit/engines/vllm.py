@@ -27,15 +27,18 @@ the first refit also runs vLLM's own processing and compares the bytes.
 Plugging in:
 - ``WeightTransferConfig(backend="mxrefit")``: ``MxrefitWeightTransferEngine`` (worker side)
   and ``MxrefitTrainerEngine`` (trainer side, ``WeightTransferTrainerFactory``) follow
-  vLLM 0.32's ``init_weight_transfer_engine`` / ``start_weight_update`` /
-  ``update_weights`` / ``finish_weight_update``. ``register()`` is the ``vllm.general_plugins``
-  entry point, so vLLM's processes know the backend without extra imports.
+  vLLM's ``init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` /
+  ``finish_weight_update``. ``register()`` is the ``vllm.general_plugins`` entry point, so
+  vLLM's processes know the backend without extra imports; it never raises.
 - ``worker_extension_cls="mxrefit.engines.vllm.RefitWorkerExtension"`` with
   ``collective_rpc("mxrefit_init" | "mxrefit_receive" | ...)``, methods by name. With tensor
   parallel size > 1 every worker is one rank of ``mxrefit.broadcast.BroadcastSender``
   (``rank_endpoints``, ``refit_while(..., until_shutdown=True)``; docs/vllm.md §3).
 Importing this module on a CPU build registers vLLM's MXFP8 emulation linear kernel, which
-vLLM 0.32's CPU build lacks, so dense MXFP8 models run on CPU.
+vLLM's CPU builds lack, so dense MXFP8 models run on CPU.
+
+vLLM 0.26 to 0.34 differ in some of what this module touches; ``engines/vllm_compat.py`` holds
+one adapter per difference, chosen by feature detection (docs/vllm.md §4).
 """
 
 from __future__ import annotations
@@ -423,7 +426,9 @@ class VllmEngine(Engine):
         """``fp8_block`` is the wire format when vLLM holds block FP8 (``Fp8Config``): "fp8-block"
         (float32 ``amax / 448`` scales, the checkpoint convention) or "fp8-block-ue8m0"
         (power-of-two scales, what vLLM's DeepGEMM path re-quantizes every weight to after
-        loading: one rounding instead of two). MXFP8 and BF16 engines ignore it."""
+        loading: one rounding instead of two). MXFP8 and BF16 engines ignore it. ``verify``: check
+        the first refit against vLLM's own loader (``_check_against_vllm_loader``); by default on
+        with ``MXREFIT_VERIFY=1`` or on a vLLM outside ``TESTED_VLLM``."""
         require_features()
         if experts not in EXPERT_LAYOUTS:
             raise VllmSetupError(f"experts must be one of {EXPERT_LAYOUTS}, got {experts!r}")
