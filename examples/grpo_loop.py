@@ -125,7 +125,7 @@ class VllmRollout:
 
 # ---- rollout engine 2: a transformers model in an engine process -----------------------------
 def _rollout_engine_class():
-    from mxrefit.engines.torch import TorchEngine
+    from mxrefit import TorchEngine
 
     class RolloutEngine(TorchEngine):
         """``TorchEngine`` for a model that also generates. BF16: refits write the model's own
@@ -169,8 +169,8 @@ def serve_rollouts(conn, path: str, fmt: str, device: str) -> None:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    from mxrefit import Receiver
     from mxrefit.devices import bind
-    from mxrefit.receiver import Receiver
 
     hf_logging.disable_progress_bar()
     dev = bind(device)

@@ -1,8 +1,8 @@
 import tempfile, torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 from vllm import LLM, SamplingParams
+from mxrefit import Sender
 from mxrefit.engines.vllm import refit_while
-from mxrefit.sender import Sender
 
 if __name__ == "__main__":  # vLLM starts its engine in a new process
     torch.manual_seed(0)

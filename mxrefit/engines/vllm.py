@@ -76,6 +76,7 @@ from mxrefit.engines.vllm_compat import (
 )
 from mxrefit.engines.vllm_cpu_amx import amx_safe, ensure_amx_usable
 from mxrefit.engines.vllm_layout import MXFP8_LAYOUT, QUANT_LAYOUTS, QuantLayout
+from mxrefit.errors import MxrefitError
 from mxrefit.shapes import EXPERT_LAYOUTS, ModelShape
 
 log = logging.getLogger("mxrefit.vllm")
@@ -765,7 +766,7 @@ class _WorkerRefit:
 WORKER_ERROR = "mxrefit_error"
 
 
-class WorkerError(RuntimeError):
+class WorkerError(MxrefitError, RuntimeError):
     """A worker-extension method failed on some of several workers (named, with their errors)."""
 
 

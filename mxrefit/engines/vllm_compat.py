@@ -20,12 +20,14 @@ from typing import Any
 
 import torch
 
+from mxrefit.errors import MxrefitError
+
 # vLLM versions whose suites ran here (CPU 0.27.1 and 0.32.0) or on the H200 (0.26.0). Any
 # other vLLM gets its first refit verified against vLLM's own loader (``verify_first_refit``).
 TESTED_VLLM = ("0.26.0", "0.27.1", "0.32.0")
 
 
-class VllmSetupError(ValueError):
+class VllmSetupError(MxrefitError, ValueError):
     """The engine and the requested refit cannot work together; raised before any weight moves."""
 
 
