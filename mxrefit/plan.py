@@ -22,13 +22,14 @@ import torch
 
 from mxrefit.dtypes import dtype_from_name, dtype_name
 from mxrefit.engines.base import Destination, ParamSpec, Target
+from mxrefit.errors import MxrefitError
 from mxrefit.formats import get_format
 
 ALIGN = 512
 DEFAULT_BUCKET_BYTES = 512 << 20
 
 
-class PlanMismatch(ValueError):
+class PlanMismatch(MxrefitError, ValueError):
     """Trainer tensors and engine tables disagree; lists every offending name."""
 
     def __init__(self, problems: list[str]):

@@ -27,6 +27,7 @@ import torch
 from mxrefit.bytesum import ByteSum
 from mxrefit.engines.base import Engine
 from mxrefit.engines.shards import check_shards, local_nbytes, run_copies, strided
+from mxrefit.errors import MxrefitError
 from mxrefit.plan import PlanMismatch, RefitPlan, align, build_plan, sources_from_msg, tables_to_msg
 from mxrefit.transport.buffers import (
     MAX_BUFFER_BYTES,
@@ -466,7 +467,7 @@ class Receiver:
         self.server.close()
 
 
-class EngineStepError(RuntimeError):
+class EngineStepError(MxrefitError, RuntimeError):
     """Something the engine does during a refit raised (its hooks, the copies, the device)."""
 
 

@@ -35,6 +35,7 @@ import torch
 from mxrefit.bytesum import ByteSum
 from mxrefit.devices import resolve
 from mxrefit.eligibility import QuantRules, check_rules
+from mxrefit.errors import MxrefitError
 from mxrefit.finite_check import FiniteCheck
 from mxrefit.formats import get_format, mxfp8
 from mxrefit.formats._common import NO_BAD, bad_flag, first_bad
@@ -50,7 +51,7 @@ TRANSPORTS = ("direct", *KINDS)
 Tensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
 
-class RefitError(RuntimeError):
+class RefitError(MxrefitError, RuntimeError):
     """A refit did not complete; ``engine_status`` is what the engine reported (version, state)."""
 
     def __init__(self, message: str, engine_status: dict | None = None):

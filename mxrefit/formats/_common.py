@@ -12,10 +12,12 @@ from typing import Literal
 
 import torch
 
+from mxrefit.errors import MxrefitError
+
 Backend = Literal["auto", "torch", "triton"]
 
 
-class NonFiniteError(ValueError):
+class NonFiniteError(MxrefitError, ValueError):
     """The input holds NaN or Inf; raised before any byte is returned as valid."""
 
 

@@ -28,13 +28,15 @@ from typing import Any
 
 import torch
 
+from mxrefit.errors import MxrefitError
+
 SUPPORTED_TRL = ("1.16.",)
 TESTED_TRL = "1.16.0"
 FORMATS = ("bf16", "mxfp8")
 EXTENSION = "mxrefit.engines.vllm.RefitWorkerExtension"
 
 
-class TrlIntegrationError(RuntimeError):
+class TrlIntegrationError(MxrefitError, RuntimeError):
     """TRL or its configuration is outside what this integration supports."""
 
 

@@ -21,12 +21,14 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from mxrefit.errors import MxrefitError
+
 ALIGN = 512
 PAGE = 4096
 DEFAULT_HEADROOM_BYTES = 1 << 30
 
 
-class HostMemoryError(MemoryError):
+class HostMemoryError(MxrefitError, MemoryError):
     """Not enough host memory for an arena; says how much is needed and how much is available."""
 
 

@@ -24,13 +24,14 @@ from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
+from mxrefit.errors import MxrefitError
 from mxrefit.lifecycle._tensors import data_ptr, flat_bytes, local, on_stream
 from mxrefit.lifecycle.arena import DEFAULT_HEADROOM_BYTES, PinnedArena, aligned_layout, host_available_bytes
 
 DEFAULT_GROUP_BYTES = 256 << 20
 
 
-class ReferenceMismatch(ValueError):
+class ReferenceMismatch(MxrefitError, ValueError):
     """Live and reference weights do not pair up; ``problems`` lists each tensor and why."""
 
     def __init__(self, problems: list[str]):

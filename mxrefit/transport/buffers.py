@@ -20,13 +20,15 @@ from typing import Any
 
 import torch
 
+from mxrefit.errors import MxrefitError
+
 KINDS = ("shm", "cuda_ipc")
 PEER_KINDS = (*KINDS, "broadcast")
 MAX_BUFFERS = 1024
 MAX_BUFFER_BYTES = 1 << 44
 
 
-class TransportError(RuntimeError):
+class TransportError(MxrefitError, RuntimeError):
     """The data path failed (a peer lost mid-transfer, a collective timed out): the refit
     cannot go on over it, and a new plan must wire a new one."""
 

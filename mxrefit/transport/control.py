@@ -47,6 +47,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from mxrefit.errors import MxrefitError
 from mxrefit.transport import protocol
 from mxrefit.transport.protocol import Malformed, Op
 
@@ -65,7 +66,7 @@ _MAX_STRANGERS = 64  # ... and beyond this many such connections, the oldest are
 _LOG_EVERY_S = 1.0  # rejections are counted each, logged at most this often (a flood must not flood the log)
 
 
-class ControlError(RuntimeError):
+class ControlError(MxrefitError, RuntimeError):
     """Base class for control channel failures."""
 
 

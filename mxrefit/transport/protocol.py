@@ -24,6 +24,8 @@ from typing import Any
 
 import msgpack
 
+from mxrefit.errors import MxrefitError
+
 
 class Op:
     """Message kinds (the ``op`` field). Requests go trainer → engine, replies engine → trainer."""
@@ -65,7 +67,7 @@ MAX_PROBLEMS = 20
 MAX_REJECTION_BYTES = 1024  # an unauthenticated rejection is read only this far
 
 
-class Malformed(ValueError):
+class Malformed(MxrefitError, ValueError):
     """A frame or message that breaks the protocol; ``why`` is short and safe to log or send back."""
 
     def __init__(self, why: str) -> None:
