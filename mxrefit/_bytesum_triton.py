@@ -13,7 +13,6 @@ atomic adds across programs wrap modulo 2**64, which is the definition.
 from __future__ import annotations
 
 import torch
-
 import triton
 import triton.language as tl
 

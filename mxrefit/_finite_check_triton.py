@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 
 import torch
-
 import triton
 import triton.language as tl
 

@@ -29,8 +29,8 @@ from mxrefit.sender import RefitError, RefitReport, Sender, Tensors
 from mxrefit.transport.broadcast import BroadcastBuffers, RendezvousError, RendezvousStore, default_backend
 from mxrefit.transport.buffers import TransportError
 from mxrefit.transport.control import ControlError, PeerTimeout
-from mxrefit.transport.protocol import Op
 from mxrefit.transport.fanout import ControlFanOut, combined_status
+from mxrefit.transport.protocol import Op
 
 
 def _rank_summary(status: dict) -> str:

@@ -40,9 +40,9 @@ CTX = mp.get_context("spawn")
 
 def _engine_main(conn, shape: ModelShape, mxfp8: bool, device: str, tp: tuple[int, int], experts: str, timeout_s: float) -> None:
     """One engine rank: serve refits until shutdown, then join the plain-broadcast group and time it."""
+    from mxrefit.devices import bind
     from mxrefit.engines.layout import LayoutEngine
     from mxrefit.receiver import Receiver
-    from mxrefit.devices import bind
     from mxrefit.transport.broadcast import open_broadcast
 
     bind(device)

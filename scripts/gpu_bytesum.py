@@ -12,9 +12,9 @@ import argparse
 import functools
 import json
 
+import cuda_timing
 import torch
 
-import cuda_timing
 from mxrefit import _bytesum_triton as k
 from mxrefit.bytesum import ByteSum
 

@@ -11,8 +11,8 @@ import argparse
 import json
 
 import torch
-
 from cuda_timing import timed
+
 from mxrefit.finite_check import FiniteCheck
 from mxrefit.formats import _mxfp8_triton as k
 

@@ -98,10 +98,10 @@ def _answer_probes(conn, device: torch.device, receiver) -> None:
 
 
 def engine_main(conn, probe_conn, model: str, device: str, timeout_s: float) -> None:
+    from mxrefit.devices import bind
     from mxrefit.engines.layout import LayoutEngine
     from mxrefit.engines.vllm_layout import vllm_destinations, vllm_params
     from mxrefit.receiver import Receiver
-    from mxrefit.devices import bind
     from mxrefit.shapes import BUILTIN
 
     dev = bind(device)
@@ -145,10 +145,10 @@ def _flat(samples: list[dict]) -> dict:
 
 def trainer_run(model: str, device: str, refits: int, bucket_mb: int, transport: str, out_path: str) -> None:
     from mxrefit.bench.run import _sample_check, make_weights
+    from mxrefit.devices import bind
     from mxrefit.engines.vllm_layout import vllm_destinations
     from mxrefit.plan import SourceSpec
     from mxrefit.sender import Sender
-    from mxrefit.devices import bind
     from mxrefit.shapes import BUILTIN, hf_tensor_specs
 
     dev = bind(device)

@@ -133,10 +133,11 @@ def first_token_s(llm) -> float:
 
 
 def trainer_weights(layers: int):
+    from dataclasses import replace
+
     import torch
 
     from mxrefit.shapes import BUILTIN, hf_tensor_specs
-    from dataclasses import replace
 
     shape = replace(BUILTIN["qwen3-30b-a3b"], layers=layers)
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -74,6 +74,7 @@ def serve_tiny(conn, model: str, mxfp8: bool, timeout_s: float, tcp: bool = Fals
     """
     import models
     from faults import faulty_engine
+
     from mxrefit.engines.torch import TorchEngine
     from mxrefit.receiver import Receiver
 
@@ -111,6 +112,7 @@ def dying_trainer(address: str, token: bytes, model: str, die_after_acks: int, t
     import os
 
     import models
+
     from mxrefit.sender import Sender
 
     class DyingSender(Sender):
@@ -128,8 +130,9 @@ def faulty_trainer(address: str, token: bytes, plain_specs: list, seeds: list[in
                    bucket_bytes: int, timeout_s: float) -> None:
     """A trainer process that refits once per seed and is killed at the point ``fault`` names."""
     from faults import FaultyClient
-    from mxrefit.sender import Sender
     from refit_helpers import random_weights, specs_from_plain
+
+    from mxrefit.sender import Sender
 
     specs = specs_from_plain(plain_specs)
     sender = Sender(address, token, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
@@ -175,6 +178,7 @@ def dying_broadcast_trainer(conn, die_at_publish: int) -> None:
     import time
 
     import models
+
     from mxrefit.broadcast import BroadcastSender
 
     class DyingBroadcastSender(BroadcastSender):

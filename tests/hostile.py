@@ -68,6 +68,7 @@ class FakeEngine:
 def tables_reply() -> dict:
     """The ``tables`` reply a real engine of the tiny MoE (MXFP8) gives, without its status fields."""
     import models
+
     from mxrefit.engines.torch import TorchEngine
     from mxrefit.plan import tables_to_msg
 

@@ -11,11 +11,11 @@ import multiprocessing as mp
 import time
 from typing import Callable
 
-import torch
-
 import models
+import torch
 from checks import engine_matches, sha  # noqa: F401  (re-exported: the byte checks every two-process test uses)
 from engine_proc import serve_tiny
+
 from mxrefit.plan import SourceSpec
 from mxrefit.sender import Sender
 

@@ -11,13 +11,13 @@ import os
 import signal
 import time
 
+import models
 import pytest
 import torch
-from torch import distributed as dist
-
-import models
 from checks import rank_matches
 from engine_proc import dying_broadcast_trainer, serve_tiny
+from torch import distributed as dist
+
 from mxrefit.broadcast import BroadcastSender
 from mxrefit.formats import mxfp8
 from mxrefit.plan import PlanMismatch, SourceSpec

@@ -12,13 +12,12 @@ import json
 
 import pytest
 import torch
+import vllm_models as vm
 from safetensors.torch import load_file
 
 from mxrefit.checkpoint import fp8_ignored_layers, save_fp8_block_checkpoint, save_mxfp8_checkpoint
 from mxrefit.eligibility import QuantRules
 from mxrefit.formats import fp8_block, mxfp8
-
-import vllm_models as vm
 
 
 def _tensors(path) -> dict[str, torch.Tensor]:

@@ -13,9 +13,9 @@ from dataclasses import replace
 import msgpack
 import pytest
 import torch
-
 from checks import sha
 from engine_proc import serve_layout
+
 from mxrefit.bench.run import _checkpoint_param, _post_params, make_weights
 from mxrefit.engines.trtllm import reference_kernel_bytes
 from mxrefit.engines.vllm_layout import vllm_destinations, vllm_params

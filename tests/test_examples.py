@@ -73,6 +73,7 @@ def policy_bytes(fmt: str) -> int:
     """Bytes the example's policy takes in the engine's format."""
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     import grpo_loop
+
     from mxrefit.eligibility import DEFAULT_RULES
 
     params = dict(grpo_loop.tiny_qwen3(0).named_parameters())
@@ -99,6 +100,7 @@ def test_a_stale_engine_shows_in_the_logp_gap(monkeypatch):
     pytest.importorskip("transformers")
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     import grpo_loop
+
     from mxrefit.sender import RefitReport
 
     skipped = []

@@ -17,12 +17,8 @@ import re
 import time
 
 import pytest
-
 from engine_proc import faulty_trainer
 from faults import KILLED_ENGINE_EXIT, KILLED_TRAINER_EXIT, FaultyClient
-from mxrefit.plan import PlanMismatch, SourceSpec
-from mxrefit.sender import RefitError, Sender
-from mxrefit.transport.control import PeerTimeout
 from refit_helpers import (
     CTX,
     EngineProcess,
@@ -32,6 +28,10 @@ from refit_helpers import (
     trainer_specs,
     wait_until,
 )
+
+from mxrefit.plan import PlanMismatch, SourceSpec
+from mxrefit.sender import RefitError, Sender
+from mxrefit.transport.control import PeerTimeout
 
 ENGINE_TIMEOUT_S = 3.0
 TRAINER_TIMEOUT_S = 2.0

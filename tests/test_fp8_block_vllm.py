@@ -20,7 +20,6 @@ import tempfile
 
 import pytest
 import torch
-
 import vllm_models as vm
 
 PROMPT = [1, 2, 3, 4]
@@ -60,10 +59,10 @@ def _engine_params(worker) -> list:
 
 def _child(out_path: str) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine in this process, where the kernel is registered
+    from fp8_block_emulation import register_emulation_kernel  # imports vLLM: only in the child
     from transformers import AutoModelForCausalLM
     from vllm import LLM, SamplingParams
 
-    from fp8_block_emulation import register_emulation_kernel  # imports vLLM: only in the child
     from mxrefit.formats import fp8_block
 
     work = tempfile.mkdtemp()
@@ -104,14 +103,13 @@ def _child(out_path: str) -> None:
 
 def _moe_child(out_path: str) -> None:
     """Build Qwen3-MoE Fp8Config block models (dummy weights) and record their parameters."""
+    from fp8_block_emulation import register_emulation_kernel  # imports vLLM: only in the child
     from transformers import Qwen3MoeConfig
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
-
-    from fp8_block_emulation import register_emulation_kernel  # imports vLLM: only in the child
 
     register_emulation_kernel()
     work = tempfile.mkdtemp()

@@ -20,13 +20,13 @@ import time
 import msgpack
 import pytest
 import zmq
-
 from faults import record
 from hostile import FakeEngine, framed, tables_reply
+from refit_helpers import EngineProcess, engine_matches, random_weights, trainer_specs
+
 from mxrefit.plan import PlanMismatch
 from mxrefit.sender import RefitError, Sender
 from mxrefit.transport.control import TOKEN_BYTES, ControlError
-from refit_helpers import EngineProcess, engine_matches, random_weights, trainer_specs
 
 SEED = 20261204
 ENGINE_FRAMES = 2000

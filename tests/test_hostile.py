@@ -18,12 +18,13 @@ import time
 from dataclasses import replace
 from multiprocessing.shared_memory import SharedMemory
 
+import hostile
 import msgpack
 import pytest
 import zmq
-
-import hostile
 from hostile import FakeEngine, framed
+from refit_helpers import CTX, EngineProcess, engine_matches, random_weights, trainer_specs, wait_until
+
 from mxrefit.sender import RefitError, Sender
 from mxrefit.shapes import BUILTIN
 from mxrefit.transport import protocol
@@ -35,7 +36,6 @@ from mxrefit.transport.control import (
     private_ipc_address,
     remove_stale_dirs,
 )
-from refit_helpers import CTX, EngineProcess, engine_matches, random_weights, trainer_specs, wait_until
 
 BUCKET = 16 << 10
 SLACK_S = 1.5
@@ -453,7 +453,7 @@ def test_idle_strangers_cannot_hold_the_engines_fds(session):
             assert engine_matches(newcomer, weights) == []
         finally:
             newcomer.close()
-        waited = wait_until(lambda: _fds(pid) - baseline <= 2, 10.0 + 3.0 + SLACK_S)
+        wait_until(lambda: _fds(pid) - baseline <= 2, 10.0 + 3.0 + SLACK_S)
         print(f"200 idle strangers: engine fds at most +{peak} in the burst, +{kept} after 2 s, back to "
               f"+{_fds(pid) - baseline} {time.monotonic() - start:.1f} s after they connected")
         session.sender.connect()  # the newcomer committed a version and adopted its own plan

@@ -6,10 +6,10 @@ from __future__ import annotations
 import os
 import re
 
+import models
 import pytest
 import torch
 
-import models
 from mxrefit.lifecycle import (
     HostMemoryError,
     OptimizerOffloader,

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models import tiny_qwen3_moe
 
 from mxrefit.engines.base import Destination, ParamSpec, Target
 from mxrefit.engines.torch import TorchEngine
 from mxrefit.plan import ALIGN, PlanMismatch, SourceSpec, build_plan, tables_from_msg, tables_to_msg
-from models import tiny_qwen3_moe
 
 
 def _specs(module: torch.nn.Module) -> list[SourceSpec]:

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import msgpack
 import pytest
+from faults import record
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from refit_helpers import EngineProcess, engine_matches, random_weights, trainer_specs
 
-from faults import record
 from mxrefit.plan import sources_to_msg
 from mxrefit.sender import Sender
 from mxrefit.transport.buffers import create_buffers
 from mxrefit.transport.control import TOKEN_BYTES, ControlClient
-from refit_helpers import EngineProcess, engine_matches, random_weights, trainer_specs
 
 ENGINE_TIMEOUT_S = 3.0
 BUCKET = 16 << 10

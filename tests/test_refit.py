@@ -6,13 +6,13 @@ import re
 
 import pytest
 import torch
-
 from checks import engine_matches
+from engine_proc import SWIZZLED, swizzle_scales
+from refit_helpers import EngineProcess, engine_digests, sha, tiny_weights
+
 from mxrefit.formats import mxfp8
 from mxrefit.plan import PlanMismatch, SourceSpec, align
 from mxrefit.sender import RefitError, Sender
-from engine_proc import SWIZZLED, swizzle_scales
-from refit_helpers import EngineProcess, engine_digests, sha, tiny_weights
 
 
 @pytest.mark.parametrize("quant", [None, "mxfp8", "fp8-block", "fp8-block-ue8m0"], ids=["bf16", "mxfp8", "fp8-block", "fp8-block-ue8m0"])

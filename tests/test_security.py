@@ -16,14 +16,14 @@ from pathlib import Path
 import msgpack
 import pytest
 import zmq
+from faults import record
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from refit_helpers import CTX, EngineProcess, engine_matches, random_weights, specs_to_plain, trainer_specs
 
 import mxrefit
-from faults import record
 from mxrefit.sender import RefitError, Sender
 from mxrefit.transport.control import DEFAULT_MAX_MESSAGE_BYTES, TOKEN_BYTES, new_token
-from refit_helpers import CTX, EngineProcess, engine_matches, random_weights, specs_to_plain, trainer_specs
 
 BUCKET = 16 << 10
 

@@ -28,9 +28,9 @@ import time
 import psutil
 import pytest
 import torch
+from refit_helpers import EngineProcess, engine_matches, random_weights, trainer_specs, wait_until
 
 from mxrefit.sender import Sender
-from refit_helpers import EngineProcess, engine_matches, random_weights, trainer_specs, wait_until
 
 pytestmark = pytest.mark.slow
 

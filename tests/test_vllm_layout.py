@@ -340,6 +340,7 @@ def _checkpoint_tensors(shape: ModelShape, case: dict, seed: int) -> tuple[dict[
 
 def _child(out_path: str) -> None:
     """Build each case's vLLM model on CPU, record its params, load bytes, check the targets."""
+    from fp8_block_emulation import register_emulation_kernel
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.engine.arg_utils import EngineArgs
@@ -349,7 +350,6 @@ def _child(out_path: str) -> None:
     from vllm.platforms import PlatformEnum
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    from fp8_block_emulation import register_emulation_kernel
     from mxrefit.engines.vllm_layout import QUANT_LAYOUTS
 
     register_linear_kernel(EmulationMxfp8LinearKernel, PlatformEnum.CPU, "mxfp8")

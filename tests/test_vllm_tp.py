@@ -17,7 +17,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 import vllm_models as vm
 from checks import expected_parts
 

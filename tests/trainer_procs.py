@@ -130,10 +130,9 @@ def expected_mismatches(destinations: dict, weights: dict[str, torch.Tensor], en
 # ---- FSDP2 trainer ranks ------------------------------------------------------------------------
 
 def _fsdp2_model(seed: int, layers: int, world: int):
+    import models
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-
-    import models
 
     model = models.tiny_qwen3_moe(seed, layers=layers)
     mesh = init_device_mesh("cpu", (world,))

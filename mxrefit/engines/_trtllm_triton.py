@@ -10,7 +10,6 @@ interpreter; the bench compares the kernel layout with plain indexing on the GPU
 from __future__ import annotations
 
 import torch
-
 import triton
 import triton.language as tl
 

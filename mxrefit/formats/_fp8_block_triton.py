@@ -17,7 +17,6 @@ tile's index is its scale's offset. A non-finite tile is reported through ``bad`
 from __future__ import annotations
 
 import torch
-
 import triton
 import triton.language as tl
 

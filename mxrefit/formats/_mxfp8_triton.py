@@ -18,7 +18,6 @@ A non-finite block is reported through ``bad``, the smallest flat block index ho
 from __future__ import annotations
 
 import torch
-
 import triton
 import triton.language as tl
 

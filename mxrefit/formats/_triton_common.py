@@ -14,7 +14,6 @@ import os
 from collections.abc import Sequence
 
 import torch
-
 import triton
 import triton.language as tl
 

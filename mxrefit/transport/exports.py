@@ -143,7 +143,7 @@ def export_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
 
 
 def _describe_cuda(storages: list[torch.UntypedStorage]) -> dict[str, Any]:
-    from mxrefit.transport.cuda_ipc import _OWNED_HERE, _device_uuid, _check_fields
+    from mxrefit.transport.cuda_ipc import _OWNED_HERE, _check_fields, _device_uuid
 
     if not storages:
         return {"device_uuid": "", "owner_id": "", "exports": []}

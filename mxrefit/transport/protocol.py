@@ -175,7 +175,11 @@ def _optional(check):
 
 _INT, _STR, _NUM, _BOOL = is_int, (lambda v: isinstance(v, str)), _is_num, (lambda v: isinstance(v, bool))
 _LIST, _DICT = (lambda v: isinstance(v, list)), (lambda v: isinstance(v, dict))
-_STATE = (lambda v: v in ("ready", "partial", "lost"))
+
+
+def _STATE(v: Any) -> bool:
+    return v in ("ready", "partial", "lost")
+
 
 # per kind: field -> (check, required). Extra fields are allowed (a newer peer may add some).
 _STATUS_FIELDS = {"version": (_INT, True), "state": (_STATE, True), "error": (_optional(_STR), False),
