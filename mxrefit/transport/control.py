@@ -123,14 +123,13 @@ def remove_stale_dirs(parent: str | None = None) -> list[str]:
         return removed
     for name in names:
         directory = os.path.join(parent, name)
-        try:
+        try:  # another process's sweep may remove the directory at any point of this: skip it then
             st = os.lstat(directory)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or not _is_dead(directory, st.st_mtime):
+                continue
         except OSError:
             continue
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or not _is_dead(directory, st.st_mtime):
-            continue
-        _remove_private_dir(directory)
-        if not os.path.exists(directory):
+        if _remove_private_dir(directory):
             removed.append(directory)
     return removed
 
@@ -505,16 +504,25 @@ def _close_socket(ctx: zmq.Context, sock: zmq.Socket) -> None:
         ctx.term()
 
 
-def _remove_private_dir(directory: str) -> None:
-    """Remove our socket file (libzmq may already have) and the then-empty private directory."""
+def _remove_private_dir(directory: str) -> bool:
+    """Remove our socket file (libzmq may already have) and the then-empty private directory.
+
+    Returns whether this call removed the directory; one already gone (a racing sweep) is no error.
+    """
     try:
         os.remove(os.path.join(directory, _SOCKET_NAME))
     except FileNotFoundError:
         pass
+    except OSError as err:
+        log.warning("could not remove the control socket in %s: %s", directory, err)
     try:
         os.rmdir(directory)
+        return True
+    except FileNotFoundError:
+        return False
     except OSError as err:
         log.warning("could not remove the control socket directory %s: %s", directory, err)
+        return False
 
 
 def _checked_token(token: bytes) -> bytes:
