@@ -14,6 +14,9 @@
 #   fp8      dense Qwen3 FP8-block (Fp8Config) through the worker extension, same check
 #   moehang  the Qwen3-MoE MXFP8 start, stacks of every process at a deadline (vllm_moe_hang.py), and the
 #            MoE MXFP8 oracle run with moe_backend=triton
+#   marlin   every Marlin MXFP8 engine (dense, MoE; extension and weight-transfer backend) + MoE BF16 through the backend
+#   sleep    dense BF16 and MoE MXFP8 with enable_sleep_mode: sleep(level=1) / wake_up before every refit
+#   soak     MoE MXFP8, SOAK_REFITS (100) refits with generation between; worker resources sampled; oracle at the end
 #   headline Qwen3-30B-A3B shapes, dummy weights: mxrefit vs vLLM's own IPC path (vllm_headline.py)
 # Everything lands in /tmp/res, packed at the end into $OUT/vllm_h200_<parts>.tar.gz, plus $OUT/summary.txt.
 set -uo pipefail
@@ -57,6 +60,21 @@ if has oracle; then
   oracle moe_bf16_ext --model moe --fmt bf16 --via ext
 fi
 has mx && oracle dense_mxfp8_ext --model dense --fmt mxfp8 --via ext
+if has marlin; then  # every Marlin engine (dense and MoE MXFP8) and the MoE weight-transfer runs, after the workspace fix
+  oracle dense_mxfp8_ext --model dense --fmt mxfp8 --via ext
+  oracle dense_mxfp8_wt --model dense --fmt mxfp8 --via wt
+  oracle moe_mxfp8_ext --model moe --fmt mxfp8 --via ext --max-batched-tokens 512
+  oracle moe_mxfp8_wt --model moe --fmt mxfp8 --via wt --max-batched-tokens 512
+  oracle moe_bf16_wt --model moe --fmt bf16 --via wt
+fi
+if has sleep; then  # vLLM's sleep mode: sleep(level=1) / wake_up before every refit
+  oracle dense_bf16_sleep --model dense --fmt bf16 --via ext --sleep
+  oracle moe_mxfp8_sleep --model moe --fmt mxfp8 --via ext --sleep --max-batched-tokens 512
+fi
+if has soak; then  # 100 refits of a small MXFP8 MoE with generation between, resources sampled, oracle at the end
+  VLLM_ALLOW_INSECURE_SERIALIZATION=1 oracle moe_mxfp8_soak --model moe --fmt mxfp8 --via ext --max-batched-tokens 512 \
+    --refits ${SOAK_REFITS:-100} --train-steps 1 --oracle-last --stats-every 10
+fi
 has fp8 && oracle dense_fp8block_ext --model dense --fmt fp8-block --via ext
 if has moehang; then
   # periodic dumps (HANG_DUMP_S > 0) crashed vLLM processes at start-up (SIGSEGV in the timer's dump, 2026-12-04):
@@ -71,7 +89,7 @@ fi
 if has headline; then
   # vLLM's own IPC path: its update_info carries torch's rebuild_cuda_tensor arguments (a torch dtype among them),
   # which vLLM's msgspec RPC refuses unless the pickle fallback is allowed (mxrefit's own channel never pickles)
-  VLLM_ALLOW_INSECURE_SERIALIZATION=1 PYTHONPATH=$PYTHONPATH:$PWD/scripts/vllm_hooks/noray timeout ${HEADLINE_TIMEOUT:-500} python3 scripts/vllm_headline.py \
+  MXREFIT_PROFILE=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1 PYTHONPATH=$PYTHONPATH:$PWD/scripts/vllm_hooks/noray timeout ${HEADLINE_TIMEOUT:-500} python3 scripts/vllm_headline.py \
     --fmts ${HEADLINE_FMTS:-mxfp8,bf16} ${HEADLINE_ARGS:-} --json $RES/headline.json > $RES/headline.log 2>&1 &
   pids+=($!)
 fi

@@ -34,6 +34,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # vllm_oracle's worker probes
 
 QWEN3_30B = {
     "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
@@ -187,6 +188,49 @@ def checkpoint_stream(weights: dict, fmt: str, stats: dict):
             yield name, t
 
 
+def _process_by_kind(worker) -> dict:
+    return dict(worker._mxrefit.engine.process_by_kind)
+
+
+def soak(args, llm, sender, weights: dict, dump) -> dict:
+    """``--soak`` more refits with generation between: the worker's RSS, fds, mappings and CUDA
+    memory, the device's used memory and the trainer's own, sampled every 10 refits, must stay flat."""
+    import cloudpickle
+    import torch
+    import vllm_oracle
+    from vllm import SamplingParams
+
+    from mxrefit.engines.vllm import refit_while
+
+    cloudpickle.register_pickle_by_value(vllm_oracle)  # the worker cannot import scripts/
+    sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    out: dict = {"refits": args.soak, "samples": [], "ms": []}
+    for i in range(1, args.soak + 1):
+        with torch.no_grad():
+            for t in list(weights.values())[:8]:
+                t.add_(1e-3)
+        r = refit_while(lambda: llm.collective_rpc("mxrefit_receive"), sender, weights)
+        out["ms"].append(r.total_s * 1e3)
+        llm.reset_prefix_cache()
+        llm.generate([{"prompt_token_ids": [1, 2, 3, 4, 5, 6, 7, 8]}] * 4, sp, use_tqdm=False)
+        if i == 1 or i % 10 == 0:
+            row = {"refit": i, **vllm_oracle.worker_stats(llm), "trainer_rss_mb": _rss_mb(),
+                   "trainer_fds": len(os.listdir("/proc/self/fd")), "trainer_allocated_mb": torch.cuda.memory_allocated() / 2**20}
+            out["samples"].append(row)
+            log(f"soak {i}: {r.total_s * 1e3:.1f} ms, worker rss {row['rss_mb']:.0f} MB fds {row['fds']} "
+                f"nvidia maps {row['nvidia_maps']} reserved {row.get('reserved_mb', 0):.0f} MB, device {row['device_used_gb']:.2f} GB")
+            dump()
+    first, last = out["samples"][1], out["samples"][-1]
+    out["growth_from_refit_10"] = {k: last[k] - first[k] for k in first if isinstance(first[k], (int, float)) and k != "pid"}
+    out["median_ms"] = statistics.median(out["ms"][1:])
+    return out
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
 def run_format(args, fmt: str, weights: dict, result: dict, dump) -> None:
     import torch
     from vllm import LLM
@@ -236,10 +280,15 @@ def run_format(args, fmt: str, weights: dict, result: dict, dump) -> None:
             refits.append(row)
             log(f"{fmt}: mxrefit {i + 1}: {row['total_ms']:.1f} ms (process {row['engine_process_ms']:.1f} ms, "
                 f"{r.bytes / 1e9:.2f} GB, {r.transport}), peak +{mem.extra_gb:.2f} GB, first token {ttft * 1e3:.1f} ms")
-        sender.close()
-        llm.collective_rpc("mxrefit_close")
         res["mxrefit"] = refits
         res["mxrefit_median_ms"] = statistics.median(r["total_ms"] for r in refits[1:] or refits)
+        # MXREFIT_PROFILE=1: the engine's post-load processing per module kind, summed over the refits above
+        res["process_by_kind_ms_per_refit"] = {k: v * 1e3 / args.refits for k, v in llm.collective_rpc(_process_by_kind)[0].items()}
+        dump()
+        if args.soak:
+            res["soak"] = soak(args, llm, sender, weights, dump)
+        sender.close()
+        llm.collective_rpc("mxrefit_close")
         dump()
         own = []
         if args.own_refits:
@@ -298,6 +347,7 @@ def main() -> int:
     p.add_argument("--moe-backend", default=None)
     p.add_argument("--max-batched-tokens", type=int, default=256,
                    help="max_num_batched_tokens: vLLM's start-up warm-up forward runs this many tokens")
+    p.add_argument("--soak", type=int, default=0, help="then this many refits with generation between, resources sampled")
     p.add_argument("--work", default="/tmp/mxrefit_headline")
     p.add_argument("--json", default="headline.json")
     args = p.parse_args()

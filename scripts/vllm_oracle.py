@@ -27,6 +27,7 @@ import argparse
 import inspect
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -164,6 +165,39 @@ def stop_llm(llm) -> None:
         log("shutdown:", err)
 
 
+def used_gb() -> float:
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0.0
+    free, total = torch.cuda.mem_get_info()
+    return (total - free) / 1e9
+
+
+def _stats_in_worker(worker) -> dict:
+    """Runs inside vLLM's worker (``collective_rpc`` of a callable): what a leak would grow."""
+    import gc
+
+    import torch
+
+    pid = os.getpid()
+    with open(f"/proc/{pid}/status") as f:
+        rss_kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    with open(f"/proc/{pid}/maps") as f:
+        maps = f.read().splitlines()
+    out = {"pid": pid, "rss_mb": rss_kb / 1024, "fds": len(os.listdir(f"/proc/{pid}/fd")), "maps": len(maps),
+           "nvidia_maps": sum("/dev/nvidia" in m for m in maps), "gc_objects": len(gc.get_objects())}
+    if torch.cuda.is_available():
+        out.update(allocated_mb=torch.cuda.memory_allocated() / 2**20, reserved_mb=torch.cuda.memory_reserved() / 2**20)
+    return out
+
+
+def worker_stats(llm) -> dict:
+    out = llm.collective_rpc(_stats_in_worker)[0]
+    out["device_used_gb"] = used_gb()
+    return out
+
+
 def cmd_answer(args) -> int:
     """One oracle: a fresh vLLM from ``--ckpt``, its answers to PROMPTS as JSON."""
     t0 = time.time()
@@ -230,6 +264,8 @@ def cmd_run(args) -> int:
     extra = {"worker_extension_cls": "mxrefit.engines.vllm.RefitWorkerExtension"}
     if args.via == "wt":
         extra["weight_transfer_config"] = {"backend": "mxrefit"}
+    if args.sleep:
+        extra["enable_sleep_mode"] = True
     llm = start_llm(args, ck0, **extra)
     result["engine_start_s"] = time.time() - t0
     log(f"{tag}: engine A up in {result['engine_start_s']:.1f} s")
@@ -264,8 +300,19 @@ def cmd_run(args) -> int:
 
         previous = answers(llm)
         result["step0"] = previous
+        result["resources"] = []
         for step in range(1, args.refits + 1):
             loss = train_steps(policy, args.train_steps, seed=100 + step, lr=args.lr)
+            slept = None
+            if args.sleep:
+                # level 1: weights go to host memory and the KV cache is dropped; wake_up brings the
+                # weights back to their addresses, and the refit then overwrites them
+                t = time.perf_counter()
+                llm.sleep(level=1)
+                asleep_gb = used_gb()
+                llm.wake_up()
+                slept = {"sleep_wake_s": time.perf_counter() - t, "device_used_gb_asleep": asleep_gb,
+                         "device_used_gb_awake": used_gb()}
             report = refit()
             llm.reset_prefix_cache()
             now = answers(llm)
@@ -277,16 +324,23 @@ def cmd_run(args) -> int:
             entry = {"step": step, "loss": loss, "refit_ms": report.total_s * 1e3, "transport": report.transport,
                      "bytes": report.bytes, "buckets": report.buckets, "version": report.version,
                      "engine_process_ms": report.engine_process_s * 1e3, "engine": now,
-                     "changed": now["tokens"] != previous["tokens"] or now != previous}
+                     "changed": now["tokens"] != previous["tokens"] or now != previous, "sleep": slept}
             result["steps"].append(entry)
             log(f"{tag}: refit {step} {entry['refit_ms']:.1f} ms ({report.transport}, {report.bytes / 1e6:.2f} MB), "
                 f"tokens {now['tokens'][0]}")
-            proc = subprocess.Popen(oracle_cmd(args, ck, out))
-            procs.append((step, proc, out))
-            if args.sequential:
-                proc.wait()
+            if args.stats_every and (step % args.stats_every == 0 or step == 1):
+                result["resources"].append({"step": step, **worker_stats(llm)})
+            if not args.oracle_last or step == args.refits:
+                proc = subprocess.Popen(oracle_cmd(args, ck, out))
+                procs.append((step, proc, out))
+                if args.sequential:
+                    proc.wait()
+            else:
+                entry["vs_oracle"] = {"skipped": True, "tokens_equal": True, "max_logprob_diff": 0.0}
+                shutil.rmtree(ck, ignore_errors=True)
             previous = now
-            dump()
+            if step % 10 == 0 or step == args.refits:
+                dump()
         # an identical refit: vLLM's processing runs again on the same bytes, nothing may move
         if args.via == "ext":
             before = llm.collective_rpc("mxrefit_kernel_state")[0]
@@ -321,6 +375,16 @@ def cmd_run(args) -> int:
         ok = all(s.get("vs_oracle", {}).get("tokens_equal") and s["vs_oracle"]["max_logprob_diff"] <= args.atol
                  and s["changed"] for s in result["steps"])
         ok = ok and len(result["steps"]) == args.refits and not moved and result["after_identical"]["bit_exact"]
+        if len(result["resources"]) >= 3:
+            # flat from the second sample (the first refits warm caches) to the last
+            first, last = result["resources"][1], result["resources"][-1]
+            grown = {k: last[k] - first[k] for k in ("rss_mb", "fds", "nvidia_maps", "allocated_mb", "reserved_mb",
+                                                      "device_used_gb") if k in first}
+            result["resources_growth"] = grown
+            flat = grown["fds"] <= 0 and grown["nvidia_maps"] <= 0 and grown.get("reserved_mb", 0) <= 0
+            flat = flat and grown["rss_mb"] < 64 and grown["device_used_gb"] < 0.064
+            result["resources_flat"] = flat
+            ok = ok and flat
         result["ok"] = bool(ok)
         log(f"{tag}: {'PASS' if ok else 'FAIL'}; identical refit moved {len(moved)} of {len(before)} params")
     except Exception as err:  # noqa: BLE001 - recorded, then re-raised
@@ -364,6 +428,9 @@ def main() -> int:
     p.add_argument("--sequential", action="store_true", help="wait for each oracle before the next refit")
     p.add_argument("--oracle-timeout", type=float, default=300)
     p.add_argument("--work", default="/tmp/mxrefit_oracle")
+    p.add_argument("--sleep", action="store_true", help="engine A with enable_sleep_mode; sleep(1)/wake_up before each refit")
+    p.add_argument("--oracle-last", action="store_true", help="a fresh vLLM only after the last refit (soak)")
+    p.add_argument("--stats-every", type=int, default=0, help="sample the worker's RSS, fds, maps, memory every N refits")
     p.add_argument("--ckpt")
     p.add_argument("--dir")
     p.add_argument("--json")

@@ -50,6 +50,7 @@ import importlib.util
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -80,6 +81,9 @@ from mxrefit.errors import MxrefitError
 from mxrefit.shapes import EXPERT_LAYOUTS, ModelShape
 
 log = logging.getLogger("mxrefit.vllm")
+# MXREFIT_PROFILE=1: time each module's post-load processing (a device sync around each), summed
+# per module and quant-method class in ``VllmEngine.process_by_kind``: where a refit's processing goes
+_PROFILE = os.environ.get("MXREFIT_PROFILE") == "1"
 
 BACKEND = "mxrefit"
 _NOT_WEIGHTS = ("Attention", "MLAAttention", "RotaryEmbedding")  # modules whose params no trainer tensor feeds
@@ -442,6 +446,7 @@ class VllmEngine(Engine):
             verify = os.environ.get("MXREFIT_VERIFY") == "1" or verify_first_refit()
         self.verify = verify
         self._verified = False
+        self.process_by_kind: dict[str, float] = {}
         self._checkpoint_targets: dict[str, list[tuple[str, Target]]] = {}
         self._checkpoint: dict[str, torch.Tensor] | None = None
         self._refused: str | None = None
@@ -560,6 +565,20 @@ class VllmEngine(Engine):
         return module_post_load_hooks(self.model, refitted)
 
     def _process(self, unit: _ModuleUnit, tensors: dict[str, torch.Tensor]) -> None:
+        if not _PROFILE:
+            self._process_unit(unit, tensors)
+            return
+        cuda = self._device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self._device)
+        start = time.perf_counter()
+        self._process_unit(unit, tensors)
+        if cuda:
+            torch.cuda.synchronize(self._device)
+        kind = f"{type(unit.module).__name__}/{type(getattr(unit.module, 'quant_method', None)).__name__}"
+        self.process_by_kind[kind] = self.process_by_kind.get(kind, 0.0) + time.perf_counter() - start
+
+    def _process_unit(self, unit: _ModuleUnit, tensors: dict[str, torch.Tensor]) -> None:
         staged = {attr: tensors[p] for attr, p in unit.attrs.items()}
         if self._checkpoint is not None:
             for p in unit.attrs.values():
