@@ -201,7 +201,8 @@ def _learn(process: Callable[[Tensors], None], read_kernel: Callable[[], Tensors
     for attr, code in acc.items():
         src = code - 1
         if bool((src < 0).any()):
-            raise _Refusal(f"{attr}: {int((src < 0).sum())} of {src.numel()} bytes come from no input byte (padding)")
+            raise _Refusal(f"{attr}: {int((src < 0).sum())} of {src.numel()} bytes come from no input byte "
+                           "(padding, or computed)")
         if bool((src >= total).any()):
             raise _Refusal(f"{attr}: bytes that decode past the inputs' end (the processing computes them)")
         which = torch.searchsorted(starts.to(device), src, right=True) - 1
