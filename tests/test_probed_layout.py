@@ -131,6 +131,7 @@ def test_trtllm_moe_layout_is_learned_per_expert_and_applied_in_place():
     w, s = layout.gathers["w13_weight"], layout.gathers["w13_weight_scale"]
     assert (w.source, w.experts, w.index.numel(), w.index.dtype) == ("w13_weight", 4, 128 * 128, torch.int32)
     assert (s.source, s.experts, s.index.numel()) == ("w13_weight_scale", 4, 128 * 4)
+    assert layout.index_bytes == 4 * (128 * 128 + 128 * 4)
     fresh = moe_staged(seed=1)
     addresses = {n: t.data_ptr() for n, t in module.kernel().items()}
     layout.apply(fresh, module.kernel())
@@ -140,13 +141,15 @@ def test_trtllm_moe_layout_is_learned_per_expert_and_applied_in_place():
 
 @pytest.mark.parametrize("experts", [1, 3])
 def test_marlin_like_repack_int32_and_e8m0_outputs(experts):
-    staged = marlin_staged(experts)
+    n = 256 if experts == 1 else 128  # the linear's 67584 bytes take three digit probes
+    staged = marlin_staged(experts, n=n)
     module, layout = learn(marlin_like, staged, experts=experts)
     assert isinstance(layout, ProbedLayout), layout
+    assert module.runs == (3 if experts == 1 else 2) + 2  # digit probes, random, real
     kernel = module.kernel()
     assert (kernel["weight"].dtype, kernel["weight_scale"].dtype) == (torch.int32, torch.float8_e8m0fnu)
-    assert layout.gathers["weight"].index.numel() == 128 * 256  # one expert's bytes
-    fresh = marlin_staged(experts, seed=7)
+    assert layout.gathers["weight"].index.numel() == n * 256  # one expert's bytes
+    fresh = marlin_staged(experts, n=n, seed=7)
     layout.apply(fresh, kernel)
     assert module.holds(fresh)
 

@@ -32,6 +32,4 @@ def gather(src: torch.Tensor, dst: torch.Tensor, index: torch.Tensor, *, block: 
     """``src``: contiguous uint8 (E, n_in); ``dst``: contiguous uint8 (E, n_out); ``index``: int32/int64 (n_out,)."""
     e, n_in = src.shape
     n_out = dst.shape[1]
-    if n_out == 0 or e == 0:
-        return
     _gather[(triton.cdiv(n_out, block),)](src, dst, index, n_in, n_out, e, BLOCK=block, num_warps=num_warps)

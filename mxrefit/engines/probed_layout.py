@@ -137,14 +137,11 @@ class _Watch:
                 "(a gather would leave them stale)")
 
 
-def _coded_inputs(staged: Tensors, experts: int, per_expert: torch.Tensor | None, rows: torch.Tensor | None) -> Tensors:
-    """Tensors shaped like ``staged`` from per-expert bytes laid end to end: ``per_expert`` (T,) repeated
-    for every expert, or ``rows`` (E, T) one per expert."""
-    if rows is None:
-        rows = per_expert.view(1, -1).expand(experts, -1)
+def _coded_inputs(staged: Tensors, rows: torch.Tensor) -> Tensors:
+    """Tensors shaped like ``staged`` from (E, T) uint8 ``rows``: each expert's inputs' bytes laid end to end."""
     out, at = {}, 0
     for name, t in staged.items():
-        n = t.numel() * t.element_size() // experts
+        n = t.numel() * t.element_size() // rows.shape[0]
         out[name] = rows[:, at:at + n].contiguous().view(-1).view(t.dtype).view(t.shape)
         at += n
     return out
@@ -186,7 +183,8 @@ def _learn(process: Callable[[Tensors], None], read_kernel: Callable[[], Tensors
     codes = torch.arange(1, total + 1, dtype=torch.int64, device=device)
     acc: dict[str, torch.Tensor] = {}
     for d in range(digits):
-        process(_coded_inputs(staged, experts, (codes >> (8 * d)).remainder(256).to(torch.uint8), None))
+        digit = (codes >> (8 * d)).remainder(256).to(torch.uint8)
+        process(_coded_inputs(staged, digit.view(1, -1).expand(experts, -1)))  # the same in every expert
         watch.look()
         kernel = read_kernel()
         if acc and kernel.keys() != acc.keys():
@@ -217,7 +215,7 @@ def _learn(process: Callable[[Tensors], None], read_kernel: Callable[[], Tensors
     layout = ProbedLayout(gathers)
     g = torch.Generator(device=device).manual_seed(VALIDATION_SEED)
     noise = torch.randint(0, 256, (experts, total), generator=g, dtype=torch.uint8, device=device)
-    probe = _coded_inputs(staged, experts, None, noise)
+    probe = _coded_inputs(staged, noise)
     del noise
     process(probe)
     watch.look()
@@ -237,6 +235,8 @@ def derive(process: Callable[[Tensors], None], read_kernel: Callable[[], Tensors
     the bytes per expert), the last time on ``staged``, so the module ends up holding the
     processed real weights whether a layout or a reason (str) is returned.
     """
+    if experts < 1:
+        raise ValueError(f"experts must be at least 1, got {experts}")
     watched = _Watch(watch)
     layout: ProbedLayout | None = None
     reason = None
