@@ -154,6 +154,42 @@ def test_marlin_like_repack_int32_and_e8m0_outputs(experts):
     assert module.holds(fresh)
 
 
+def vllm_marlin_mxfp8(staged: Tensors) -> Tensors:
+    """vLLM's own ``prepare_mxfp8_layer_for_marlin`` steps that run on CPU, in its order: fp8 packed into
+    int32 GPTQ words (``gptq_marlin_repack``, CUDA-only, would follow) and the e8m0 scales through bf16,
+    ``marlin_permute_scales`` and ``mxfp8_marlin_process_scales``; per expert for an MoE, as vLLM loops."""
+    fp8 = pytest.importorskip("vllm.model_executor.layers.quantization.utils.marlin_utils_fp8", reason="needs vLLM")
+    marlin = pytest.importorskip("vllm.model_executor.layers.quantization.utils.marlin_utils", reason="needs vLLM")
+
+    def one(w: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n, k = w.shape
+        qweight = fp8.pack_fp8_to_int32(w, size_k_first=False).T.contiguous()
+        scales = s.contiguous().view(torch.float8_e8m0fnu).to(torch.bfloat16).T.contiguous()
+        scales = marlin.marlin_permute_scales(s=scales, size_k=k, size_n=n, group_size=32)
+        return qweight, fp8.mxfp8_marlin_process_scales(scales)
+
+    w, s = staged["weight"], staged["weight_scale"]
+    if w.dim() == 2:
+        qweight, scales = one(w, s)
+        return {"weight": qweight, "weight_scale": scales}
+    pairs = [one(x, y) for x, y in zip(w, s)]
+    return {"weight": torch.stack([q for q, _ in pairs]), "weight_scale": torch.stack([m for _, m in pairs])}
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("experts", [1, 3])
+def test_vllm_marlin_mxfp8_steps_are_learned(experts):
+    staged = marlin_staged(experts)
+    staged["weight_scale"] = staged["weight_scale"].view(U8)  # the checkpoint's uint8 e8m0
+    module, layout = learn(vllm_marlin_mxfp8, staged, experts=experts)
+    assert isinstance(layout, ProbedLayout), layout
+    assert module.kernel()["weight_scale"].dtype == torch.float8_e8m0fnu
+    fresh = marlin_staged(experts, seed=11)
+    fresh["weight_scale"] = fresh["weight_scale"].view(U8)
+    layout.apply(fresh, module.kernel())
+    assert module.holds(fresh)
+
+
 def test_apply_refuses_tensors_of_another_size():
     staged = marlin_staged(1)
     module, layout = learn(marlin_like, staged, experts=1)
