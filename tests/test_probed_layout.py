@@ -66,6 +66,11 @@ class Processed(torch.nn.Module):
         return all(same_bytes(p, want[n]) for n, p in self.kernel().items())
 
 
+def with_placeholder(fn: Callable[[Tensors], Tensors]) -> Callable[[Tensors], Tensors]:
+    """``fn`` plus an empty kernel tensor, as Marlin modules hold (``g_idx``): nothing to write, not a refusal."""
+    return lambda staged: {**fn(staged), "g_idx": torch.empty(0, dtype=torch.int32)}
+
+
 def learn(fn: Callable[[Tensors], Tensors], staged: Tensors, experts: int, **kw) -> tuple[Processed, ProbedLayout | str]:
     module = Processed(fn, staged)
     return module, derive(module.process, module.kernel, staged, experts=experts, **kw)
@@ -144,8 +149,9 @@ def test_marlin_like_repack_int32_and_e8m0_outputs(experts, monkeypatch):
     monkeypatch.setattr(probed_layout, "CHECK_BYTES", 1)  # the checks go one expert at a time
     n = 256 if experts == 1 else 128  # the linear's 67584 bytes take three digit probes
     staged = marlin_staged(experts, n=n)
-    module, layout = learn(marlin_like, staged, experts=experts)
+    module, layout = learn(with_placeholder(marlin_like), staged, experts=experts)
     assert isinstance(layout, ProbedLayout), layout
+    assert sorted(layout.gathers) == ["weight", "weight_scale"]
     assert module.runs == (3 if experts == 1 else 2) + 2  # digit probes, random, real
     kernel = module.kernel()
     assert (kernel["weight"].dtype, kernel["weight_scale"].dtype) == (torch.int32, torch.float8_e8m0fnu)

@@ -57,6 +57,11 @@ def _expert_rows(t: torch.Tensor, experts: int, name: str) -> torch.Tensor:
     return flat.view(experts, -1)
 
 
+def _nonempty(kernel: Tensors) -> Tensors:
+    """Kernel tensors with bytes to write (Marlin-style modules hold empty placeholders such as ``g_idx``)."""
+    return {attr: t for attr, t in kernel.items() if t.numel()}
+
+
 def _kernels(device: torch.device):
     """The Triton gather where it runs (CUDA, or Triton's CPU interpreter), else None (torch path)."""
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
@@ -159,6 +164,7 @@ def _check_inputs(staged: Tensors, experts: int) -> None:
 def _verify(layout: ProbedLayout, staged: Tensors, kernel: Tensors, what: str) -> None:
     """The gather applied to ``staged`` must equal what the processing left in ``kernel``, byte for byte.
     Checked a few experts at a time, so the scratch stays near ``CHECK_BYTES`` however large the module."""
+    kernel = _nonempty(kernel)
     if kernel.keys() != layout.gathers.keys():
         raise _Refusal(f"the processing's kernel tensors changed from {sorted(layout.gathers)} to {sorted(kernel)} on {what}")
     for attr, g in layout.gathers.items():
@@ -191,7 +197,7 @@ def _learn(process: Callable[[Tensors], None], read_kernel: Callable[[], Tensors
         digit = (codes >> (8 * d)).remainder(256).to(torch.uint8)
         process(_coded_inputs(staged, digit.view(1, -1).expand(experts, -1)))  # the same in every expert
         watch.look()
-        kernel = read_kernel()
+        kernel = _nonempty(read_kernel())
         if acc and kernel.keys() != acc.keys():
             raise _Refusal(f"the processing's kernel tensors changed between probes: {sorted(acc)} vs {sorted(kernel)}")
         for attr, t in kernel.items():
@@ -278,14 +284,8 @@ class LayoutCache:
 
     entries: dict[Hashable, ProbedLayout | str] = field(default_factory=dict)
 
-    def get(self, key: Hashable) -> ProbedLayout | str | None:
-        return self.entries.get(key)
-
-    def put(self, key: Hashable, result: ProbedLayout | str) -> None:
-        self.entries[key] = result
-
     def run(self, key: Hashable, process: Callable[[Tensors], None], read_kernel: Callable[[], Tensors],
-                staged: Tensors, *, experts: int, watch: Callable[[], Tensors] | None = None) -> ProbedLayout | str:
+            staged: Tensors, *, experts: int, watch: Callable[[], Tensors] | None = None) -> ProbedLayout | str:
         """Bring the module to the processed ``staged`` weights by the fastest known way, and return
         the key's layout or refusal: a known layout is applied into ``read_kernel()``'s tensors (the
         module must have been processed before, so they exist); a known refusal runs ``process``;
