@@ -9,7 +9,7 @@ byte of the result is computed, each is copied from one input byte, so for one m
 that index can be read off the processing by feeding it index-coded inputs:
 - per expert, the staged inputs' bytes are laid end to end (T bytes); probe d puts digit d
   (base 256) of ``o + 1`` at byte offset o, the same in every expert; the kernel's bytes after
-  the D probes spell, per output byte, 1 + the offset it came from (0: from no input byte);
+  the D probes (D: base-256 digits of T) spell, per output byte, 1 + the offset it came from (0: from no input byte);
 - a probe of seeded random bytes, different per expert, and then the real weights check the
   learned gather against the processing byte for byte: content-dependent processing
   (arithmetic, sorting, cross-expert moves) that happens to fit the index probes fails there;
@@ -21,8 +21,21 @@ them. ``ProbedLayout.apply`` then runs one gather per kernel tensor: a Triton ke
 that reads the per-expert index once for all experts, ``index_select`` elsewhere, writing into
 the kernel tensors' bytes in place (CUDA graphs hold their addresses).
 
+What the callables must do (vLLM: ``process`` = ``_process_with_vllm(module, ·)``): ``process`` runs
+the full processing from checkpoint-format tensors and leaves the results in the tensors
+``read_kernel`` returns (in place or not: they are read after each run); ``read_kernel`` returns
+only tensors whose bytes come from the staged ones (empty placeholders are skipped); anything
+else the processing keeps (Marlin's ``workspace``) belongs in ``watch``. The cache key must
+fix everything else the processing depends on: classes (module, quant method, kernel), shapes
+and dtypes of staged and kernel tensors, the parameter dtype scales pass through (e8m0 through
+bf16 or fp32 is exact; through fp16 it is not, and the validation refuses).
+
+Output bytes no input feeds are refused, zero padding included (Marlin pads weights whose
+shapes miss its tiles, ``marlin_padded_nk``): such modules keep the slow path.
+
 Engine-agnostic: only torch (triton lazily); tests/test_probed_layout.py checks it on CPU
-against the TRT-LLM layout of ``engines/trtllm.py``, a Marlin-like repack and negative controls.
+against the TRT-LLM layout of ``engines/trtllm.py``, vLLM's own Marlin MXFP8 steps that run
+on CPU, a Marlin-like repack and negative controls.
 """
 
 from __future__ import annotations
