@@ -2,7 +2,8 @@
 
 The black boxes are real processing functions filling a module's parameters in place, as
 vLLM's ``process_weights_after_loading`` does: the TRT-LLM MoE layout of ``engines/trtllm.py``,
-a Marlin-like repack written here (fp8 bytes packed into int32 words, transposed, tiled,
+vLLM's own Marlin MXFP8 steps that run on CPU (all but the CUDA-only ``gptq_marlin_repack``;
+marked vllm), a Marlin-like repack written here (fp8 bytes packed into int32 words, transposed, tiled,
 bytes interleaved; e8m0 scales through bf16 bits and back), and negative controls that are
 not fixed byte gathers. Each negative must come back as a reason with the module holding the
 real weights' processing. The Triton gather runs under Triton's CPU interpreter in a
