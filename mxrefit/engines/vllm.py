@@ -59,6 +59,7 @@ import torch
 
 from mxrefit.devices import resolve
 from mxrefit.engines.base import Destination, Engine, ParamSpec, Shard, Target
+from mxrefit.engines.probed_layout import LayoutCache, tensor_signature
 from mxrefit.engines.staging import StagedUnit, StagingPool
 from mxrefit.engines.vllm_compat import (
     TESTED_VLLM,
@@ -84,6 +85,9 @@ log = logging.getLogger("mxrefit.vllm")
 # MXREFIT_PROFILE=1: time each module's post-load processing (a device sync around each), summed
 # per module and quant-method class in ``VllmEngine.process_by_kind``: where a refit's processing goes
 _PROFILE = os.environ.get("MXREFIT_PROFILE") == "1"
+# MXREFIT_LEARNED_LAYOUT=1: Marlin MXFP8 modules take a byte gather learned from vLLM's own processing
+# (engines/probed_layout.py) instead of re-running it; opt-in until it has run against a fresh vLLM on Hopper
+_LEARNED_LAYOUT = os.environ.get("MXREFIT_LEARNED_LAYOUT") == "1"
 
 BACKEND = "mxrefit"
 _NOT_WEIGHTS = ("Attention", "MLAAttention", "RotaryEmbedding")  # modules whose params no trainer tensor feeds
@@ -292,8 +296,13 @@ def _fallback_tables(manifest: dict, fp8_block: str = "fp8-block") -> tuple[dict
 
 
 # ---- processing one vLLM module -----------------------------------------------------------
-def _process_with_vllm(module: torch.nn.Module, staged: dict[str, torch.Tensor]) -> None:
-    """vLLM's layerwise reload for one module, fed whole checkpoint-format params instead of loaders."""
+def _process_with_vllm(module: torch.nn.Module, staged: dict[str, torch.Tensor], rebind: bool = False) -> None:
+    """vLLM's layerwise reload for one module, fed whole checkpoint-format params instead of loaders.
+
+    ``rebind``: objects the processing built (a MoE kernel, its quant config) hold the new
+    parameters it made, which the reload then copies into the kernel tensors; point those
+    references at the kernel tensors, so that writing the kernel tensors alone (a learned layout)
+    is what every later forward reads."""
     from vllm.model_executor.model_loader.reload.layerwise import _copy_and_restore_kernel_tensors, get_layerwise_info
     from vllm.model_executor.model_loader.reload.meta import materialize_layer, restore_layer_on_meta
     from vllm.model_executor.model_loader.reload.utils import get_layer_params_buffers
@@ -319,9 +328,58 @@ def _process_with_vllm(module: torch.nn.Module, staged: dict[str, torch.Tensor])
     if hasattr(module, "update_param_tp_status"):
         module.update_param_tp_status()
     info.loaded_weights = [(attr, None) for attr in staged]
+    made = dict(module._parameters)
     _copy_and_restore_kernel_tensors(module, info)
     info.reset()
     _keep_plain_kernel_tensors(module, plain)
+    if rebind:
+        kept = module._parameters
+        _rebind(module, {id(t): kept[n] for n, t in made.items()
+                         if t is not None and kept.get(n) is not None and kept[n] is not t
+                         and (t.shape, t.dtype, t.device) == (kept[n].shape, kept[n].dtype, kept[n].device)})
+
+
+def _vllm_objects(module: torch.nn.Module, depth: int = 8) -> Iterator[tuple[Any, str, Any]]:
+    """(owner, attribute, value) for every attribute of the module (its parameters, buffers and
+    submodules aside) and of the vLLM objects it reaches (quant method, kernels, quant configs)."""
+    seen: set[int] = set()
+
+    def visit(owner: Any, level: int) -> Iterator[tuple[Any, str, Any]]:
+        if id(owner) in seen or level > depth:
+            return
+        seen.add(id(owner))
+        for attr, value in list(vars(owner).items()):
+            if attr in ("_parameters", "_buffers", "_modules"):
+                continue
+            yield owner, attr, value
+            if (hasattr(value, "__dict__") and not isinstance(value, (torch.nn.Module, torch.Tensor, type))
+                    and type(value).__module__.startswith("vllm.")):
+                yield from visit(value, level + 1)
+
+    yield from visit(module, 0)
+
+
+def _rebind(module: torch.nn.Module, to: dict[int, torch.Tensor]) -> None:
+    for owner, attr, value in _vllm_objects(module):
+        if isinstance(value, torch.Tensor) and id(value) in to:
+            object.__setattr__(owner, attr, to[id(value)])
+
+
+def _state_beside_params(module: torch.nn.Module, written: Iterable[str]) -> dict[str, torch.Tensor]:
+    """Tensors the module's kernels reach besides the parameters a learned layout writes (other
+    parameters and buffers, Marlin's workspace, tensors of the quant method's objects): a learned
+    layout leaves them as they are, so they must not depend on the weights."""
+    written = set(written)
+    spans = [(p.untyped_storage().data_ptr(), p.untyped_storage().nbytes()) for n, p in module._parameters.items()
+             if n in written and p is not None]
+    others = [(module, n, t) for n, t in (*module._parameters.items(), *module._buffers.items()) if n not in written]
+    out = {}
+    for owner, attr, value in (*others, *_vllm_objects(module)):
+        if isinstance(value, torch.Tensor) and value.numel():
+            ptr = value.untyped_storage().data_ptr()
+            if not any(start <= ptr < start + size for start, size in spans):
+                out[f"{type(owner).__name__}.{attr}@{id(value):x}"] = value
+    return out
 
 
 def _plain_kernel_tensors(module: torch.nn.Module) -> dict[tuple[str, ...], torch.Tensor]:
@@ -402,6 +460,19 @@ def _needs_vllm_processing(module: torch.nn.Module) -> bool:
     return isinstance(getattr(module, "quant_method", None), QuantizeMethodBase)
 
 
+def _marlin_mxfp8(module: torch.nn.Module) -> bool:
+    """True for a ModelOpt MXFP8 linear on ``MarlinMxfp8LinearKernel`` or MoE on the Marlin
+    backend (Hopper): processing that is a pure byte permutation (``engines/probed_layout.py``)."""
+    qm = getattr(module, "quant_method", None)
+    kind = type(qm).__name__
+    if kind == "ModelOptMxFp8LinearMethod":
+        return "Marlin" in type(getattr(qm, "kernel", None)).__name__
+    if kind == "ModelOptMxFp8FusedMoE":
+        backend = getattr(qm, "mxfp8_backend", None)
+        return str(getattr(backend, "name", backend)).upper() == "MARLIN"
+    return False
+
+
 def _trtllm_moe(module: torch.nn.Module) -> bool:
     """True for an MXFP8 MoE layer on FlashInfer's TRT-LLM backend (Blackwell)."""
     qm = getattr(module, "quant_method", None)
@@ -447,6 +518,7 @@ class VllmEngine(Engine):
         self.verify = verify
         self._verified = False
         self.process_by_kind: dict[str, float] = {}
+        self._layouts = LayoutCache() if _LEARNED_LAYOUT else None
         self._checkpoint_targets: dict[str, list[tuple[str, Target]]] = {}
         self._checkpoint: dict[str, torch.Tensor] | None = None
         self._refused: str | None = None
@@ -589,6 +661,8 @@ class VllmEngine(Engine):
         module = unit.module
         if _trtllm_moe(module):
             self._trtllm_fast_path(module, staged)
+        elif self._layouts is not None and _marlin_mxfp8(module):
+            self._learned_layout(module, staged)
         elif _needs_vllm_processing(module):
             _process_with_vllm(module, staged)
         else:
@@ -597,6 +671,26 @@ class VllmEngine(Engine):
         for other, other_attr, attr in unit.aliases:
             if _needs_vllm_processing(other):
                 _process_with_vllm(other, {other_attr: staged[attr]})
+
+    def _learned_layout(self, module: torch.nn.Module, staged: dict[str, torch.Tensor]) -> None:
+        """Marlin MXFP8 processing as a byte gather learned from vLLM's own processing of the first
+        module of each signature (``engines/probed_layout.py``); a signature it refuses keeps vLLM's."""
+        def kernel() -> dict[str, torch.Tensor]:
+            return {a: module._parameters[a].data for a in staged}
+
+        qm = module.quant_method
+        key = (type(module), type(qm), type(getattr(qm, "kernel", None)), str(getattr(qm, "mxfp8_backend", "")),
+               torch.get_default_dtype(), tensor_signature(staged), tensor_signature(kernel()))
+        new = key not in self._layouts.entries
+        experts = staged["w13_weight"].shape[0] if "w13_weight" in staged else 1
+        result = self._layouts.run(key, lambda t: _process_with_vllm(module, t, rebind=True), kernel, staged,
+                                   experts=experts, watch=lambda: _state_beside_params(module, staged))
+        if new:
+            if isinstance(result, str):
+                log.warning("mxrefit: no learned layout for %s (%s): vLLM's processing runs every refit", type(qm).__name__,
+                            result)
+            else:
+                log.info("mxrefit: learned %s's layout (%.1f MiB of index)", type(qm).__name__, result.index_bytes / 2**20)
 
     def _trtllm_fast_path(self, module: torch.nn.Module, staged: dict[str, torch.Tensor]) -> None:
         from mxrefit.engines.trtllm import MoeLayout
