@@ -84,7 +84,7 @@ def start_vllm(path: str, device: str, seed: int):
 
     return LLM(model=path, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, seed=seed,
                gpu_memory_utilization=0.05 if device == "cpu" else 0.3, max_model_len=64, max_num_seqs=64,
-               worker_extension_cls="mxrefit.engines.vllm.RefitWorkerExtension")
+               worker_extension_cls="mxrefit.integrations.vllm.worker.RefitWorkerExtension")
 
 
 def vllm_sample(llm, prompts: list[list[int]], n: int, max_tokens: int, seed: int) -> list[Group]:
@@ -100,7 +100,7 @@ def vllm_sample(llm, prompts: list[list[int]], n: int, max_tokens: int, seed: in
 
 class VllmRollout:
     def __init__(self, path: str, device: str, seed: int):
-        from mxrefit.sender import Sender
+        from mxrefit.source.sender import Sender
 
         self.llm = start_vllm(path, device, seed)
         info = self.llm.collective_rpc("mxrefit_init")[0]  # engine tables built once, control socket opened
@@ -110,7 +110,7 @@ class VllmRollout:
         return vllm_sample(self.llm, prompts, n, max_tokens, seed)
 
     def refit(self, weights: dict[str, torch.Tensor]):
-        from mxrefit.engines.vllm import refit_while
+        from mxrefit.integrations.vllm.client import refit_while
 
         # the worker serves one refit on its own thread while this process sends it
         report = refit_while(lambda: self.llm.collective_rpc("mxrefit_receive"), self.sender, weights)
@@ -197,7 +197,7 @@ class TorchRollout:
     def __init__(self, path: str, fmt: str, device: str):
         import msgpack
 
-        from mxrefit.sender import Sender
+        from mxrefit.source.sender import Sender
 
         self.packb, self.unpackb = msgpack.packb, msgpack.unpackb
         ctx = mp.get_context("spawn")
@@ -272,7 +272,7 @@ def save_step0(policy, path: str, fmt: str, engine: str) -> None:
     """The engine's first weights: the step-0 policy in BF16 (or as a ModelOpt MXFP8 checkpoint for vLLM)."""
     bf16 = copy.deepcopy(policy).to(torch.bfloat16)
     if fmt == "mxfp8" and engine == "vllm":
-        from mxrefit.checkpoint import save_mxfp8_checkpoint
+        from mxrefit.source.checkpoint import save_mxfp8_checkpoint
 
         save_mxfp8_checkpoint(bf16, path)
     else:

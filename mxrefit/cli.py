@@ -6,11 +6,12 @@ import argparse
 import json
 import sys
 
+from mxrefit.bench.report import plot, print_table
+from mxrefit.bench.run import ALL_MODES, CHECK_MODES, FORMATS, MODES, bench, resolve_post
+from mxrefit.plan.shapes import BUILTIN
+
 
 def _bench(args: argparse.Namespace) -> int:
-    from mxrefit.bench.report import plot, print_table
-    from mxrefit.bench.run import ALL_MODES, CHECK_MODES, MODES, bench, resolve_post
-
     modes = {"both": MODES, "all": ALL_MODES, "checks": CHECK_MODES}.get(args.mode, (args.mode,))
     try:
         post = resolve_post(args.format, args.post)
@@ -31,9 +32,6 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mxrefit.bench.run import FORMATS
-    from mxrefit.shapes import BUILTIN
-
     parser = argparse.ArgumentParser(prog="mxrefit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("bench", help="time refits of a built-in model: baseline vs prequant vs the copy floor")

@@ -29,10 +29,10 @@ from dataclasses import asdict, replace
 import torch
 
 from mxrefit.bench.run import _checkpoint_param, make_weights
-from mxrefit.broadcast import BroadcastSender
-from mxrefit.engines.vllm_layout import vllm_destinations, vllm_params, vllm_shards
-from mxrefit.plan import SourceSpec
-from mxrefit.shapes import BUILTIN, ModelShape, hf_tensor_specs
+from mxrefit.integrations.vllm.layout import vllm_destinations, vllm_params, vllm_shards
+from mxrefit.plan.build import SourceSpec
+from mxrefit.plan.shapes import BUILTIN, ModelShape, hf_tensor_specs
+from mxrefit.source.broadcast_sender import BroadcastSender
 from mxrefit.transport.broadcast import BroadcastBuffers, RendezvousStore
 
 CTX = mp.get_context("spawn")
@@ -41,8 +41,8 @@ CTX = mp.get_context("spawn")
 def _engine_main(conn, shape: ModelShape, mxfp8: bool, device: str, tp: tuple[int, int], experts: str, timeout_s: float) -> None:
     """One engine rank: serve refits until shutdown, then join the plain-broadcast group and time it."""
     from mxrefit.devices import bind
-    from mxrefit.engines.layout import LayoutEngine
-    from mxrefit.receiver import Receiver
+    from mxrefit.engine.layout import LayoutEngine
+    from mxrefit.engine.receiver import Receiver
     from mxrefit.transport.broadcast import open_broadcast
 
     bind(device)

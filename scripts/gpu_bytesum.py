@@ -1,4 +1,4 @@
-"""What ``--verify``'s integrity sums cost on the GPU: ``mxrefit.bytesum`` over one refit bucket of
+"""What ``--verify``'s integrity sums cost on the GPU: ``mxrefit.transport.bytesum`` over one refit bucket of
 Qwen3-30B-A3B's shapes (per-expert FP8 values + E8M0 scales, 512 MiB) and over one flat 512 MiB view,
 against the read bandwidth of the same bytes (a float sum) in the same run; launch shapes (32-bit words per
 block, warps) swept. ``bytesum_call`` is the whole ``ByteSum()`` call, with its read-back of the two sums.
@@ -15,8 +15,8 @@ import json
 import cuda_timing
 import torch
 
-from mxrefit import _bytesum_triton as k
-from mxrefit.bytesum import ByteSum
+from mxrefit.transport import _bytesum_triton as k
+from mxrefit.transport.bytesum import ByteSum
 
 timed = functools.partial(cuda_timing.timed, reps=9)
 

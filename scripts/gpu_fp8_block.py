@@ -27,9 +27,9 @@ if "--smoke" in sys.argv:  # the interpreter must be on before triton is first i
 import torch
 
 from mxrefit.formats import _fp8_block_triton, fp8_block
-from mxrefit.formats.fp8_block_cases import adversarial_suite
-from mxrefit.formats.fp8_block_oracle import reference_quantize
-from mxrefit.formats.mxfp8_cases import random_normal
+from mxrefit.formats.reference.fp8_block_cases import adversarial_suite
+from mxrefit.formats.reference.fp8_block_oracle import reference_quantize
+from mxrefit.formats.reference.mxfp8_cases import random_normal
 
 IMPLS = ("torch_cuda", "triton_hw_round", "triton_int_round", "triton_group")
 

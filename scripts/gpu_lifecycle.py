@@ -32,7 +32,7 @@ import time
 import torch
 
 from mxrefit.lifecycle import OptimizerOffloader, PinnedArena, ReferenceSwap
-from mxrefit.shapes import BUILTIN, hf_tensor_specs
+from mxrefit.plan.shapes import BUILTIN, hf_tensor_specs
 
 GiB = 1 << 30
 

@@ -18,8 +18,8 @@ import time
 import torch
 
 from mxrefit.formats import _mxfp8_triton, mxfp8
-from mxrefit.formats.mxfp8_cases import adversarial_suite, random_normal
-from mxrefit.formats.mxfp8_oracle import reference_quantize
+from mxrefit.formats.reference.mxfp8_cases import adversarial_suite, random_normal
+from mxrefit.formats.reference.mxfp8_oracle import reference_quantize
 
 
 def median_ms(fn, warmup: int = 3, reps: int = 15, per_graph: int = 1) -> float:

@@ -99,10 +99,10 @@ def _answer_probes(conn, device: torch.device, receiver) -> None:
 
 def engine_main(conn, probe_conn, model: str, device: str, timeout_s: float) -> None:
     from mxrefit.devices import bind
-    from mxrefit.engines.layout import LayoutEngine
-    from mxrefit.engines.vllm_layout import vllm_destinations, vllm_params
-    from mxrefit.receiver import Receiver
-    from mxrefit.shapes import BUILTIN
+    from mxrefit.engine.layout import LayoutEngine
+    from mxrefit.engine.receiver import Receiver
+    from mxrefit.integrations.vllm.layout import vllm_destinations, vllm_params
+    from mxrefit.plan.shapes import BUILTIN
 
     dev = bind(device)
     shape = BUILTIN[model]
@@ -146,10 +146,10 @@ def _flat(samples: list[dict]) -> dict:
 def trainer_run(model: str, device: str, refits: int, bucket_mb: int, transport: str, out_path: str) -> None:
     from mxrefit.bench.run import _sample_check, make_weights
     from mxrefit.devices import bind
-    from mxrefit.engines.vllm_layout import vllm_destinations
-    from mxrefit.plan import SourceSpec
-    from mxrefit.sender import Sender
-    from mxrefit.shapes import BUILTIN, hf_tensor_specs
+    from mxrefit.integrations.vllm.layout import vllm_destinations
+    from mxrefit.plan.build import SourceSpec
+    from mxrefit.plan.shapes import BUILTIN, hf_tensor_specs
+    from mxrefit.source.sender import Sender
 
     dev = bind(device)
     shape = BUILTIN[model]
@@ -222,7 +222,7 @@ def trainer_run(model: str, device: str, refits: int, bucket_mb: int, transport:
 
 def _open_raw(desc: dict, conn) -> None:
     try:
-        from mxrefit.transport.buffers import open_buffers
+        from mxrefit.transport.factory import open_buffers
 
         opened = open_buffers(desc)
         conn.send({"opened": True, "first_bytes": opened.buffers[0][:4].cpu().tolist()})

@@ -38,8 +38,8 @@ def model_with(experts: int, seed: int):
 def run(experts: int, steps: int) -> dict:
     import vllm_models as vm
 
-    from mxrefit.engines.vllm import refit_while
-    from mxrefit.sender import Sender
+    from mxrefit.integrations.vllm.client import refit_while
+    from mxrefit.source.sender import Sender
 
     with tempfile.TemporaryDirectory() as path:
         model_with(experts, 0).save_pretrained(path)

@@ -51,8 +51,8 @@ def log(*a) -> None:
 
 
 def config_dir(path: str, fmt: str, layers: int) -> str:
-    from mxrefit.checkpoint import quant_block
-    from mxrefit.eligibility import DEFAULT_RULES
+    from mxrefit.plan.eligibility import DEFAULT_RULES
+    from mxrefit.source.checkpoint import quant_block
 
     os.makedirs(path, exist_ok=True)
     cfg = dict(QWEN3_30B, num_hidden_layers=layers)
@@ -137,7 +137,7 @@ def trainer_weights(layers: int):
 
     import torch
 
-    from mxrefit.shapes import BUILTIN, hf_tensor_specs
+    from mxrefit.plan.shapes import BUILTIN, hf_tensor_specs
 
     shape = replace(BUILTIN["qwen3-30b-a3b"], layers=layers)
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -154,7 +154,7 @@ def checkpoint_stream(weights: dict, fmt: str, stats: dict):
     (per-expert values + uint8 ``_scale``) quantized here by vLLM's own ``mxfp8_e4m3_quantize``."""
     import torch
 
-    from mxrefit.eligibility import DEFAULT_RULES
+    from mxrefit.plan.eligibility import DEFAULT_RULES
 
     if fmt == "bf16":
         yield from weights.items()
@@ -191,13 +191,13 @@ def run_format(args, fmt: str, weights: dict, result: dict, dump) -> None:
     import torch
     from vllm import LLM
 
-    from mxrefit.engines.vllm import refit_while
-    from mxrefit.sender import Sender
+    from mxrefit.integrations.vllm.client import refit_while
+    from mxrefit.source.sender import Sender
 
     path = config_dir(os.path.join(args.work, fmt), fmt, args.layers)
     kw = dict(model=path, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=512,
               max_num_seqs=8, seed=0, gpu_memory_utilization=args.gpu_util, kv_cache_memory_bytes=2 << 30,
-              attention_config={"backend": "FLASH_ATTN"}, worker_extension_cls="mxrefit.engines.vllm.RefitWorkerExtension",
+              attention_config={"backend": "FLASH_ATTN"}, worker_extension_cls="mxrefit.integrations.vllm.worker.RefitWorkerExtension",
               compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8]})
     if args.own_refits:
         kw["weight_transfer_config"] = {"backend": "ipc"}

@@ -70,7 +70,7 @@ def make_policy(model: str, seed: int):
 
 def save_checkpoint(policy, path: str, fmt: str) -> None:
     """The policy's current weights in ``fmt``, written as mxrefit writes a starting checkpoint."""
-    from mxrefit.checkpoint import save_fp8_block_checkpoint, save_mxfp8_checkpoint
+    from mxrefit.source.checkpoint import save_fp8_block_checkpoint, save_mxfp8_checkpoint
 
     os.makedirs(path, exist_ok=True)
     if fmt == "bf16":
@@ -200,7 +200,8 @@ def oracle_cmd(args, ckpt: str, out: str) -> list[str]:
 def cmd_run(args) -> int:
     import torch
 
-    from mxrefit.engines import vllm as mx_vllm
+    from mxrefit.integrations.vllm import client as mx_client
+    from mxrefit.integrations.vllm import transfer as mx_transfer
 
     tag = f"{args.model}_{args.fmt}_{args.via}"
     work = os.path.join(args.work, tag)
@@ -227,7 +228,7 @@ def cmd_run(args) -> int:
     ck0 = os.path.join(work, "ckpt0")
     save_checkpoint(policy, ck0, args.fmt)
     t0 = time.time()
-    extra = {"worker_extension_cls": "mxrefit.engines.vllm.RefitWorkerExtension"}
+    extra = {"worker_extension_cls": "mxrefit.integrations.vllm.worker.RefitWorkerExtension"}
     if args.via == "wt":
         extra["weight_transfer_config"] = {"backend": "mxrefit"}
     llm = start_llm(args, ck0, **extra)
@@ -237,7 +238,7 @@ def cmd_run(args) -> int:
     sender = wt = None
     try:
         if args.via == "ext":
-            from mxrefit.sender import Sender
+            from mxrefit.source.sender import Sender
 
             info = llm.collective_rpc("mxrefit_init", kwargs={"experts": "grouped"})[0]
             result["init_info"] = {k: v for k, v in info.items() if k != "token"}
@@ -245,16 +246,16 @@ def cmd_run(args) -> int:
 
             def refit():
                 weights = {n: p.detach() for n, p in policy.named_parameters()}
-                return mx_vllm.refit_while(lambda: llm.collective_rpc("mxrefit_receive"), sender, weights)
+                return mx_client.refit_while(lambda: llm.collective_rpc("mxrefit_receive"), sender, weights)
         else:
             from vllm.distributed.weight_transfer.base import ModuleSource
             from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-            init = mx_vllm.MxrefitTrainerEngine.init_info_cls(rank=0, device=args.device, experts="grouped")
+            init = mx_transfer.MxrefitTrainerEngine.init_info_cls(rank=0, device=args.device, experts="grouped")
             factory_args = (init,)
             if "backend" in inspect.signature(WeightTransferTrainerFactory.trainer_init).parameters:
                 factory_args = ("mxrefit", None, init)  # vLLM 0.26: trainer_init(backend, config, init_info, ...)
-            wt = WeightTransferTrainerFactory.trainer_init(*factory_args, client=mx_vllm.LLMClient(llm),
+            wt = WeightTransferTrainerFactory.trainer_init(*factory_args, client=mx_client.LLMClient(llm),
                                                            source=ModuleSource(policy))
 
             def refit():

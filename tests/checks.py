@@ -8,8 +8,8 @@ from collections.abc import Callable
 
 import torch
 
-from mxrefit.engines.base import Destination
 from mxrefit.formats import fp8_block, mxfp8
+from mxrefit.plan.types import Destination
 
 Take = Callable[[str, torch.Tensor], torch.Tensor]
 

@@ -30,8 +30,8 @@ def _post_processing_engine(module, mxfp8: bool):
     The copies are extra parameters (``<scale>_swizzled``) no trainer tensor targets, so the
     checksum op can read them: a refit that left them stale would show.
     """
-    from mxrefit.engines.base import ParamSpec
-    from mxrefit.engines.torch import TorchEngine
+    from mxrefit.engine.torch import TorchEngine
+    from mxrefit.plan.types import ParamSpec
 
     class PostProcessingEngine(TorchEngine):
         def __init__(self, *args, **kwargs):
@@ -75,8 +75,8 @@ def serve_tiny(conn, model: str, mxfp8: bool, timeout_s: float, tcp: bool = Fals
     import models
     from faults import faulty_engine
 
-    from mxrefit.engines.torch import TorchEngine
-    from mxrefit.receiver import Receiver
+    from mxrefit.engine.receiver import Receiver
+    from mxrefit.engine.torch import TorchEngine
 
     class MortalEngine(TorchEngine):
         refits = 0
@@ -113,7 +113,7 @@ def dying_trainer(address: str, token: bytes, model: str, die_after_acks: int, t
 
     import models
 
-    from mxrefit.sender import Sender
+    from mxrefit.source.sender import Sender
 
     class DyingSender(Sender):
         def _await_applied(self, acked, version, report):
@@ -132,7 +132,7 @@ def faulty_trainer(address: str, token: bytes, plain_specs: list, seeds: list[in
     from faults import FaultyClient
     from refit_helpers import random_weights, specs_from_plain
 
-    from mxrefit.sender import Sender
+    from mxrefit.source.sender import Sender
 
     specs = specs_from_plain(plain_specs)
     sender = Sender(address, token, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
@@ -147,10 +147,10 @@ def serve_layout(conn, shape, post: bool, timeout_s: float, experts: str = "per_
                  transactional: bool = False) -> None:
     """An engine process holding vLLM's MXFP8 layout of ``shape`` in exportable memory
     (direct writes), optionally post-processed into the TRT-LLM kernel layout."""
-    from mxrefit.engines.layout import LayoutEngine
-    from mxrefit.engines.trtllm import vllm_mxfp8_units
-    from mxrefit.engines.vllm_layout import vllm_destinations, vllm_params
-    from mxrefit.receiver import Receiver
+    from mxrefit.engine.layout import LayoutEngine
+    from mxrefit.engine.receiver import Receiver
+    from mxrefit.integrations.vllm.layout import vllm_destinations, vllm_params
+    from mxrefit.integrations.vllm.trtllm import vllm_mxfp8_units
 
     logging.basicConfig(level=logging.INFO)
     from mxrefit.devices import resolve
@@ -179,7 +179,7 @@ def dying_broadcast_trainer(conn, die_at_publish: int) -> None:
 
     import models
 
-    from mxrefit.broadcast import BroadcastSender
+    from mxrefit.source.broadcast_sender import BroadcastSender
 
     class DyingBroadcastSender(BroadcastSender):
         published = 0

@@ -22,7 +22,7 @@ KILLED_ENGINE_EXIT = 23
 def faulty_engine(module, mxfp8: bool, fault: dict):
     """``fault``: {"refit": r, "bucket": b, "action": "die" | "hang" | "raise", "seconds": s}, or
     {"refit": r, "action": "raise_after_refit"}. Refits are counted from 1 at their first bucket."""
-    from mxrefit.engines.torch import TorchEngine
+    from mxrefit.engine.torch import TorchEngine
 
     class FaultyEngine(TorchEngine):
         refits_started = 0

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from mxrefit.engines.vllm import RefitWorkerExtension
 from mxrefit.formats import fp8_block
+from mxrefit.integrations.vllm.worker import RefitWorkerExtension
 
 
 def register_emulation_kernel() -> None:

@@ -69,8 +69,8 @@ def tables_reply() -> dict:
     """The ``tables`` reply a real engine of the tiny MoE (MXFP8) gives, without its status fields."""
     import models
 
-    from mxrefit.engines.torch import TorchEngine
-    from mxrefit.plan import tables_to_msg
+    from mxrefit.engine.torch import TorchEngine
+    from mxrefit.plan.build import tables_to_msg
 
     engine = TorchEngine(models.tiny_qwen3_moe(seed=1), mxfp8=True)
     return {"op": "tables", **tables_to_msg(engine.params(), engine.destinations()), "exportable": False, "device": "cpu"}
@@ -99,7 +99,7 @@ def _truncate_exports() -> None:
     """Shrink every shm arena this engine exported to 0 bytes (a write past the end is a SIGBUS)."""
     import _posixshmem
 
-    from mxrefit.transport.exports import _SHM_ARENAS
+    from mxrefit.transport.direct import _SHM_ARENAS
 
     for name, _size in list(_SHM_ARENAS.values()):
         fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
@@ -116,9 +116,9 @@ def serve_hostile_layout(conn, shape, mode: str, third_party: str | None = None)
 
     import torch
 
-    from mxrefit.engines.layout import LayoutEngine
-    from mxrefit.engines.vllm_layout import vllm_destinations, vllm_params
-    from mxrefit.receiver import Receiver
+    from mxrefit.engine.layout import LayoutEngine
+    from mxrefit.engine.receiver import Receiver
+    from mxrefit.integrations.vllm.layout import vllm_destinations, vllm_params
 
     logging.basicConfig(level=logging.INFO)
 
@@ -147,9 +147,9 @@ def direct_trainer(address: str, token: bytes, shape, conn, transport: str | Non
     import torch
 
     from mxrefit.bench.run import make_weights
-    from mxrefit.plan import SourceSpec
-    from mxrefit.sender import RefitError, Sender
-    from mxrefit.shapes import hf_tensor_specs
+    from mxrefit.plan.build import SourceSpec
+    from mxrefit.plan.shapes import hf_tensor_specs
+    from mxrefit.source.sender import RefitError, Sender
 
     specs = [SourceSpec(n, s, dt) for n, s, dt in hf_tensor_specs(shape)]
     sender = Sender(address, token, bucket_bytes=16 << 10, timeout_s=5, transport=transport)

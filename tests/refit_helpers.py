@@ -16,8 +16,8 @@ import torch
 from checks import engine_matches, sha  # noqa: F401  (re-exported: the byte checks every two-process test uses)
 from engine_proc import serve_tiny
 
-from mxrefit.plan import SourceSpec
-from mxrefit.sender import Sender
+from mxrefit.plan.build import SourceSpec
+from mxrefit.source.sender import Sender
 
 CTX = mp.get_context("spawn")
 

@@ -18,10 +18,10 @@ from checks import rank_matches
 from engine_proc import dying_broadcast_trainer, serve_tiny
 from torch import distributed as dist
 
-from mxrefit.broadcast import BroadcastSender
 from mxrefit.formats import mxfp8
-from mxrefit.plan import PlanMismatch, SourceSpec
-from mxrefit.sender import RefitError
+from mxrefit.plan.build import PlanMismatch, SourceSpec
+from mxrefit.source.broadcast_sender import BroadcastSender
+from mxrefit.source.sender import RefitError
 from mxrefit.transport.broadcast import RendezvousError
 
 CTX = mp.get_context("spawn")

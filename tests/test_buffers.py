@@ -16,7 +16,7 @@ import msgpack
 import pytest
 import torch
 
-from mxrefit.transport.buffers import create_buffers, default_kind, open_buffers
+from mxrefit.transport.factory import create_buffers, default_kind, open_buffers
 
 SPAWN = multiprocessing.get_context("spawn")
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -36,7 +36,7 @@ import json, multiprocessing, sys, time
 sys.path.insert(0, sys.argv[1])
 import msgpack, torch
 from test_buffers import open_and_write, pattern
-from mxrefit.transport.buffers import create_buffers
+from mxrefit.transport.factory import create_buffers
 
 bufs = create_buffers("shm", 2, 1 << 16)
 desc = bufs.describe()
@@ -295,8 +295,8 @@ import json, sys
 sys.path.insert(0, sys.argv[1])
 import msgpack, torch
 from test_buffers import _run_spawned_child, pattern
-from mxrefit.transport.buffers import create_buffers
-from mxrefit.transport.exports import allocate
+from mxrefit.transport.factory import create_buffers
+from mxrefit.transport.direct import allocate
 
 filler = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")  # the trainer's own memory: expandable
 arena = allocate(8 << 20, "cuda")  # an engine's exportable memory (direct writes)

@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from mxrefit.bytesum import MOD, ByteSum
+from mxrefit.transport.bytesum import MOD, ByteSum
 
 _INTERPRETED = """
 import json, sys, torch
-from mxrefit import _bytesum_triton as k
-from mxrefit.bytesum import ByteSum
+from mxrefit.transport import _bytesum_triton as k
+from mxrefit.transport.bytesum import ByteSum
 g = torch.Generator().manual_seed(int(sys.argv[1]))
 store = torch.randint(0, 256, (1 << 19,), dtype=torch.uint8, generator=g)
 chunk = 4 * k.CHUNK
@@ -42,7 +42,7 @@ print(json.dumps(out))
 
 
 def _numpy_sums(views: list[torch.Tensor]) -> tuple[int, int]:
-    """The definition written out with numpy's wrapping uint64 arithmetic, apart from mxrefit.bytesum."""
+    """The definition written out with numpy's wrapping uint64 arithmetic, apart from mxrefit.transport.bytesum."""
     s1 = s2 = np.uint64(0)
     for v in views:
         raw = v.numpy().tobytes()

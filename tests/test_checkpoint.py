@@ -15,9 +15,9 @@ import torch
 import vllm_models as vm
 from safetensors.torch import load_file
 
-from mxrefit.checkpoint import fp8_ignored_layers, save_fp8_block_checkpoint, save_mxfp8_checkpoint
-from mxrefit.eligibility import QuantRules
 from mxrefit.formats import fp8_block, mxfp8
+from mxrefit.plan.eligibility import QuantRules
+from mxrefit.source.checkpoint import fp8_ignored_layers, save_fp8_block_checkpoint, save_mxfp8_checkpoint
 
 
 def _tensors(path) -> dict[str, torch.Tensor]:

@@ -17,12 +17,12 @@ from checks import sha
 from engine_proc import serve_layout
 
 from mxrefit.bench.run import _checkpoint_param, _post_params, make_weights
-from mxrefit.engines.trtllm import reference_kernel_bytes
-from mxrefit.engines.vllm_layout import vllm_destinations, vllm_params
-from mxrefit.plan import SourceSpec
-from mxrefit.sender import RefitError, Sender
-from mxrefit.shapes import BUILTIN, hf_tensor_specs
-from mxrefit.transport.exports import allocate, export_tensors, exportable, open_exports
+from mxrefit.integrations.vllm.layout import vllm_destinations, vllm_params
+from mxrefit.integrations.vllm.trtllm import reference_kernel_bytes
+from mxrefit.plan.build import SourceSpec
+from mxrefit.plan.shapes import BUILTIN, hf_tensor_specs
+from mxrefit.source.sender import RefitError, Sender
+from mxrefit.transport.direct import allocate, export_tensors, exportable, open_exports
 
 CTX = mp.get_context("spawn")
 SHAPE = replace(BUILTIN["tiny-qwen3-moe"], layers=4, vocab=512)  # buckets span less than a layer

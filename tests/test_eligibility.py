@@ -16,12 +16,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from trainer_procs import EngineProcess
 
-from mxrefit.eligibility import DEFAULT_RULES, QuantRules, check_rules, layer_count, layer_excluded, layer_of
-from mxrefit.engines.torch import TorchEngine
-from mxrefit.engines.vllm_layout import coverage_check, quantized_param_names, vllm_destinations, vllm_params
-from mxrefit.plan import PlanMismatch, SourceSpec
-from mxrefit.sender import Sender
-from mxrefit.shapes import ModelShape, hf_tensor_specs
+from mxrefit.engine.torch import TorchEngine
+from mxrefit.integrations.vllm.layout import coverage_check, quantized_param_names, vllm_destinations, vllm_params
+from mxrefit.plan.build import PlanMismatch, SourceSpec
+from mxrefit.plan.eligibility import DEFAULT_RULES, QuantRules, check_rules, layer_count, layer_excluded, layer_of
+from mxrefit.plan.shapes import ModelShape, hf_tensor_specs
+from mxrefit.source.sender import Sender
 
 F8, U8, BF16 = torch.float8_e4m3fn, torch.uint8, torch.bfloat16
 

@@ -74,7 +74,7 @@ def policy_bytes(fmt: str) -> int:
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     import grpo_loop
 
-    from mxrefit.eligibility import DEFAULT_RULES
+    from mxrefit.plan.eligibility import DEFAULT_RULES
 
     params = dict(grpo_loop.tiny_qwen3(0).named_parameters())
     quantized = DEFAULT_RULES.decide((n, tuple(p.shape)) for n, p in params.items())
@@ -101,7 +101,7 @@ def test_a_stale_engine_shows_in_the_logp_gap(monkeypatch):
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     import grpo_loop
 
-    from mxrefit.sender import RefitReport
+    from mxrefit.source.sender import RefitReport
 
     skipped = []
 

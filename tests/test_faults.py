@@ -29,8 +29,8 @@ from refit_helpers import (
     wait_until,
 )
 
-from mxrefit.plan import PlanMismatch, SourceSpec
-from mxrefit.sender import RefitError, Sender
+from mxrefit.plan.build import PlanMismatch, SourceSpec
+from mxrefit.source.sender import RefitError, Sender
 from mxrefit.transport.control import PeerTimeout
 
 ENGINE_TIMEOUT_S = 3.0

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from mxrefit.finite_check import FiniteCheck
+from mxrefit.formats.finite_check import FiniteCheck
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -65,7 +65,7 @@ _INTERPRETED = """
 import sys, torch
 sys.path.insert(0, sys.argv[1])
 from test_finite_check import _check_all, _tensors
-from mxrefit.finite_check import FiniteCheck
+from mxrefit.formats.finite_check import FiniteCheck
 ts = _tensors(0)
 check = FiniteCheck([(tuple(t.shape), t.dtype) for t in ts], "cpu")
 assert len(check._groups) == 3 and check._rest == [], (check._groups, check._rest)

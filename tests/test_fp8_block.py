@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from mxrefit.formats import fp8_block
-from mxrefit.formats.fp8_block_cases import REAL_SHAPES, adversarial_suite
-from mxrefit.formats.fp8_block_oracle import reference_quantize
-from mxrefit.formats.mxfp8_cases import random_normal
-from mxrefit.formats.mxfp8_oracle import e4m3_table
+from mxrefit.formats.reference.fp8_block_cases import REAL_SHAPES, adversarial_suite
+from mxrefit.formats.reference.fp8_block_oracle import reference_quantize
+from mxrefit.formats.reference.mxfp8_cases import random_normal
+from mxrefit.formats.reference.mxfp8_oracle import e4m3_table
 
 SUITE = adversarial_suite()
 UE8M0 = pytest.mark.parametrize("ue8m0", [False, True], ids=["scale", "ue8m0"])

@@ -16,9 +16,9 @@ import torch
 from test_fp8_block import _assert_same, _bytes
 
 from mxrefit.formats import fp8_block
-from mxrefit.formats.fp8_block_cases import adversarial_suite
-from mxrefit.formats.fp8_block_oracle import reference_quantize
-from mxrefit.formats.mxfp8_cases import random_normal
+from mxrefit.formats.reference.fp8_block_cases import adversarial_suite
+from mxrefit.formats.reference.fp8_block_oracle import reference_quantize
+from mxrefit.formats.reference.mxfp8_cases import random_normal
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 inside = pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")

@@ -24,8 +24,8 @@ from faults import record
 from hostile import FakeEngine, framed, tables_reply
 from refit_helpers import EngineProcess, engine_matches, random_weights, trainer_specs
 
-from mxrefit.plan import PlanMismatch
-from mxrefit.sender import RefitError, Sender
+from mxrefit.plan.build import PlanMismatch
+from mxrefit.source.sender import RefitError, Sender
 from mxrefit.transport.control import TOKEN_BYTES, ControlError
 
 SEED = 20261204

@@ -25,8 +25,8 @@ import zmq
 from hostile import FakeEngine, framed
 from refit_helpers import CTX, EngineProcess, engine_matches, random_weights, trainer_specs, wait_until
 
-from mxrefit.sender import RefitError, Sender
-from mxrefit.shapes import BUILTIN
+from mxrefit.plan.shapes import BUILTIN
+from mxrefit.source.sender import RefitError, Sender
 from mxrefit.transport import protocol
 from mxrefit.transport.control import (
     ControlClient,

@@ -20,7 +20,7 @@ from mxrefit.lifecycle import (
     prepare_for_training,
 )
 from mxrefit.lifecycle.arena import aligned_layout
-from mxrefit.sender import RefitReport, Sender
+from mxrefit.source.sender import RefitReport, Sender
 
 
 def _bytes(t: torch.Tensor) -> bytes:

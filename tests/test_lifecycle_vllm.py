@@ -28,14 +28,14 @@ def _child(out_path: str) -> None:
     import models
     from vllm import LLM, SamplingParams
 
-    from mxrefit.engines.vllm import refit_while
+    from mxrefit.integrations.vllm.client import refit_while
     from mxrefit.lifecycle import OptimizerOffloader, prepare_for_generation, prepare_for_training
-    from mxrefit.sender import Sender
+    from mxrefit.source.sender import Sender
 
     work = tempfile.mkdtemp()
     models.tiny_llama(seed=3).save_pretrained(work)
     llm = LLM(model=work, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, max_model_len=64,
-              gpu_memory_utilization=0.1, seed=0, worker_extension_cls="mxrefit.engines.vllm.RefitWorkerExtension")
+              gpu_memory_utilization=0.1, seed=0, worker_extension_cls="mxrefit.integrations.vllm.worker.RefitWorkerExtension")
     prompt = [{"prompt_token_ids": [1, 7, 42, 99, 3]}]
     greedy = SamplingParams(max_tokens=8, temperature=0.0)
     generate = lambda: list(llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids)  # noqa: E731

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from mxrefit.formats import mxfp8
-from mxrefit.formats.mxfp8_cases import adversarial_suite, random_normal
-from mxrefit.formats.mxfp8_oracle import reference_quantize
+from mxrefit.formats.reference.mxfp8_cases import adversarial_suite, random_normal
+from mxrefit.formats.reference.mxfp8_oracle import reference_quantize
 
 SUITE = adversarial_suite()
 REAL_SHAPES = {"o_proj_like": (768, 2048), "experts_w13_reduced": (4, 1536, 2048), "experts_w2_reduced": (4, 2048, 768)}

@@ -16,8 +16,8 @@ import torch
 from test_mxfp8 import _assert_same, _bytes
 
 from mxrefit.formats import mxfp8
-from mxrefit.formats.mxfp8_cases import adversarial_suite, random_normal
-from mxrefit.formats.mxfp8_oracle import reference_quantize
+from mxrefit.formats.reference.mxfp8_cases import adversarial_suite, random_normal
+from mxrefit.formats.reference.mxfp8_oracle import reference_quantize
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 inside = pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")

@@ -6,9 +6,9 @@ import pytest
 import torch
 from models import tiny_qwen3_moe
 
-from mxrefit.engines.base import Destination, ParamSpec, Target
-from mxrefit.engines.torch import TorchEngine
-from mxrefit.plan import ALIGN, PlanMismatch, SourceSpec, build_plan, tables_from_msg, tables_to_msg
+from mxrefit.engine.torch import TorchEngine
+from mxrefit.plan.build import ALIGN, PlanMismatch, SourceSpec, build_plan, tables_from_msg, tables_to_msg
+from mxrefit.plan.types import Destination, ParamSpec, Target
 
 
 def _specs(module: torch.nn.Module) -> list[SourceSpec]:

@@ -14,10 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from refit_helpers import EngineProcess, engine_matches, random_weights, trainer_specs
 
-from mxrefit.plan import sources_to_msg
-from mxrefit.sender import Sender
-from mxrefit.transport.buffers import create_buffers
+from mxrefit.plan.build import sources_to_msg
+from mxrefit.source.sender import Sender
 from mxrefit.transport.control import TOKEN_BYTES, ControlClient
+from mxrefit.transport.factory import create_buffers
 
 ENGINE_TIMEOUT_S = 3.0
 BUCKET = 16 << 10

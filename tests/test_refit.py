@@ -11,8 +11,8 @@ from engine_proc import SWIZZLED, swizzle_scales
 from refit_helpers import EngineProcess, engine_digests, sha, tiny_weights
 
 from mxrefit.formats import mxfp8
-from mxrefit.plan import PlanMismatch, SourceSpec, align
-from mxrefit.sender import RefitError, Sender
+from mxrefit.plan.build import PlanMismatch, SourceSpec, align
+from mxrefit.source.sender import RefitError, Sender
 
 
 @pytest.mark.parametrize("quant", [None, "mxfp8", "fp8-block", "fp8-block-ue8m0"], ids=["bf16", "mxfp8", "fp8-block", "fp8-block-ue8m0"])

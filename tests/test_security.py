@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from refit_helpers import CTX, EngineProcess, engine_matches, random_weights, specs_to_plain, trainer_specs
 
 import mxrefit
-from mxrefit.sender import RefitError, Sender
+from mxrefit.source.sender import RefitError, Sender
 from mxrefit.transport.control import DEFAULT_MAX_MESSAGE_BYTES, TOKEN_BYTES, new_token
 
 BUCKET = 16 << 10

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from mxrefit.shapes import BUILTIN, ModelShape, hf_tensor_specs
+from mxrefit.plan.shapes import BUILTIN, ModelShape, hf_tensor_specs
 
 LAYOUTS = ("per_expert", "grouped")
 

@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mxrefit.engines.base import Destination, ParamSpec, Shard, Target
-from mxrefit.engines.shards import check_shards, local_nbytes, run_copies, strided
+from mxrefit.engine.shards import check_shards, local_nbytes, run_copies, strided
+from mxrefit.plan.types import Destination, ParamSpec, Shard, Target
 
 
 @st.composite

@@ -30,7 +30,7 @@ import pytest
 import torch
 from refit_helpers import EngineProcess, engine_matches, random_weights, trainer_specs, wait_until
 
-from mxrefit.sender import Sender
+from mxrefit.source.sender import Sender
 
 pytestmark = pytest.mark.slow
 
@@ -122,7 +122,7 @@ def test_a_thousand_refits_keep_memory_descriptors_and_mappings_flat(monkeypatch
 _TRAINER = """
 import json, sys, torch
 sys.path.insert(0, sys.argv[1])
-from mxrefit.sender import Sender
+from mxrefit.source.sender import Sender
 from refit_helpers import random_weights, trainer_specs
 
 sender = Sender(sys.argv[2], bytes.fromhex(sys.argv[3]), bucket_bytes=16 << 10, timeout_s=30)

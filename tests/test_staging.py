@@ -8,13 +8,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mxrefit.engines.base import ParamSpec
-from mxrefit.engines.layout import LayoutEngine
-from mxrefit.engines.staging import StagedUnit, StagingPool, assign_regions
-from mxrefit.engines.trtllm import vllm_mxfp8_units
-from mxrefit.engines.vllm_layout import vllm_destinations, vllm_params
-from mxrefit.plan import SourceSpec, build_plan
-from mxrefit.shapes import BUILTIN, hf_tensor_specs
+from mxrefit.engine.layout import LayoutEngine
+from mxrefit.engine.staging import StagedUnit, StagingPool, assign_regions
+from mxrefit.integrations.vllm.layout import vllm_destinations, vllm_params
+from mxrefit.integrations.vllm.trtllm import vllm_mxfp8_units
+from mxrefit.plan.build import SourceSpec, build_plan
+from mxrefit.plan.shapes import BUILTIN, hf_tensor_specs
+from mxrefit.plan.types import ParamSpec
 
 units_st = st.lists(
     st.tuples(st.integers(1, 5000), st.integers(0, 20), st.integers(0, 6)), min_size=1, max_size=40

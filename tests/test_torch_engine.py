@@ -6,7 +6,7 @@ import pytest
 import torch
 from models import tiny_qwen3_moe
 
-from mxrefit.engines.torch import TorchEngine
+from mxrefit.engine.torch import TorchEngine
 from mxrefit.formats import fp8_block, mxfp8
 
 

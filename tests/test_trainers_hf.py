@@ -12,10 +12,10 @@ import torch
 import torch.multiprocessing as tmp
 from trainer_procs import EngineProcess, expected_mismatches, fsdp2_memory_rank, fsdp2_refit_rank
 
-from mxrefit.plan import PlanMismatch
-from mxrefit.sender import Sender
-from mxrefit.shapes import ModelShape, hf_tensor_specs
-from mxrefit.trainers.hf import HFSource
+from mxrefit.plan.build import PlanMismatch
+from mxrefit.plan.shapes import ModelShape, hf_tensor_specs
+from mxrefit.source.hf import HFSource
+from mxrefit.source.sender import Sender
 
 
 def _refit(engine: EngineProcess, source: HFSource, **kw) -> tuple[dict, dict[str, torch.Tensor]]:

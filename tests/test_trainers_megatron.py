@@ -20,9 +20,9 @@ bridge_pkg = pytest.importorskip(
 import models  # noqa: E402
 from trainer_procs import EngineProcess, expected_mismatches  # noqa: E402
 
-from mxrefit.sender import Sender  # noqa: E402
-from mxrefit.shapes import ModelShape, hf_tensor_specs  # noqa: E402
-from mxrefit.trainers.megatron import MegatronSource  # noqa: E402
+from mxrefit.plan.shapes import ModelShape, hf_tensor_specs  # noqa: E402
+from mxrefit.source.megatron import MegatronSource  # noqa: E402
+from mxrefit.source.sender import Sender  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import pytest
 from engine_proc import dying_trainer, serve_tiny
 from refit_helpers import engine_matches, tiny_weights
 
-from mxrefit.sender import RefitError, Sender
+from mxrefit.source.sender import RefitError, Sender
 
 CTX = mp.get_context("spawn")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mxrefit.engines.trtllm import (
+from mxrefit.integrations.vllm.trtllm import (
     LinearScaleLayout,
     MoeLayout,
     check_moe_alignment,
@@ -122,7 +122,7 @@ def test_moe_alignment_rules_name_the_tensor():
 _INTERPRETED = """
 import sys, torch
 sys.path.insert(0, sys.argv[1])
-from mxrefit.engines.trtllm import LinearScaleLayout, MoeLayout, interleaved_size
+from mxrefit.integrations.vllm.trtllm import LinearScaleLayout, MoeLayout, interleaved_size
 from test_trtllm_layout import vllm_steps
 import vllm.model_executor.layers.fused_moe
 from vllm.model_executor.layers.quantization.utils.mxfp8_utils import swizzle_mxfp8_scale

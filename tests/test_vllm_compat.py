@@ -1,4 +1,4 @@
-"""The reload-side adapters of ``engines/vllm_compat.py`` against each release's shape.
+"""The reload-side adapters of ``mxrefit/integrations/vllm/compat.py`` against each release's shape.
 
 0.26 and 0.33/0.34 have no build that runs here, so each case imports the adapters in a fresh
 process whose ``vllm`` holds fakes of the modules they read, written from each release's
@@ -26,7 +26,7 @@ import torch
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 from vllm.model_executor.model_loader import weight_utils
-from mxrefit.engines import vllm_compat
+from mxrefit.integrations.vllm import compat as vllm_compat
 
 ran = []
 

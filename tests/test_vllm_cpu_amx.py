@@ -1,4 +1,4 @@
-"""AMX tile permission for vLLM's CPU build (mxrefit.engines.vllm_cpu_amx).
+"""AMX tile permission for vLLM's CPU build (mxrefit.integrations.vllm.cpu_amx).
 
 On a host whose CPU reports AMX, vLLM's CPU workers run AMX tile instructions in their bfloat16
 attention without asking Linux for the tile-data permission and die with SIGILL; mxrefit's
@@ -21,7 +21,7 @@ AMX_HOST = torch.cpu._is_amx_tile_supported()
 
 _REPORT = """
 import json, torch
-from mxrefit.engines.vllm_cpu_amx import amx_safe, tile_data_permitted
+from mxrefit.integrations.vllm.cpu_amx import amx_safe, tile_data_permitted
 print(json.dumps({"amx": torch.cpu._is_amx_tile_supported(), "permitted": tile_data_permitted(),
                   "safe": amx_safe()}))
 """

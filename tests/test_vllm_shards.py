@@ -2,7 +2,7 @@
 
 The rank shapes are checked against ``vllm_params`` of a rank's share (``tp_share``), which
 ``tests/test_vllm_layout.py`` checks against vLLM's own modules; the rows against vLLM's
-loader rules read in its source (``mxrefit/engines/vllm_layout.py`` cites the lines).
+loader rules read in its source (``mxrefit/integrations/vllm/layout.py`` cites the lines).
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from mxrefit.engines.layout import LayoutEngine
-from mxrefit.engines.shards import check_shards, run_copies, strided
-from mxrefit.engines.vllm_layout import vllm_destinations, vllm_params, vllm_shards
-from mxrefit.shapes import BUILTIN
+from mxrefit.engine.layout import LayoutEngine
+from mxrefit.engine.shards import check_shards, run_copies, strided
+from mxrefit.integrations.vllm.layout import vllm_destinations, vllm_params, vllm_shards
+from mxrefit.plan.shapes import BUILTIN
 
 
 def _rank_shapes_match(whole, share, *, tp: int, ep: bool, mxfp8: bool = True) -> None:

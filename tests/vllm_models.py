@@ -116,8 +116,8 @@ def vllm_prompt_logprobs(llm, prompts=PROMPTS) -> list[list[float]]:
 def dequantized_copy(model, fmt: str = "mxfp8"):
     """The trainer model as an engine holding ``fmt`` ("mxfp8", "fp8-block", "fp8-block-ue8m0")
     holds it: eligible weights through that format's quantize/dequantize."""
-    from mxrefit.eligibility import DEFAULT_RULES
     from mxrefit.formats import fp8_block, mxfp8
+    from mxrefit.plan.eligibility import DEFAULT_RULES
 
     roundtrip = {
         "mxfp8": lambda w: mxfp8.dequantize(*mxfp8.quantize(w, backend="torch")),
@@ -133,7 +133,7 @@ def dequantized_copy(model, fmt: str = "mxfp8"):
     return ref
 
 
-def start_llm(path: str, worker_extension_cls: str = "mxrefit.engines.vllm.RefitWorkerExtension", **kwargs):
+def start_llm(path: str, worker_extension_cls: str = "mxrefit.integrations.vllm.worker.RefitWorkerExtension", **kwargs):
     from vllm import LLM
 
     return LLM(model=path, skip_tokenizer_init=True, gpu_memory_utilization=0.05, enforce_eager=True,
@@ -154,7 +154,7 @@ def sha256_of(t: torch.Tensor) -> str:
 
 def refit(llm, sender, model):
     """One refit of a running vLLM (worker extension) from the model's current parameters."""
-    from mxrefit.engines.vllm import refit_while
+    from mxrefit.integrations.vllm.client import refit_while
 
     weights = {n: p.detach() for n, p in model.named_parameters()}
     return refit_while(lambda: llm.collective_rpc("mxrefit_receive"), sender, weights)

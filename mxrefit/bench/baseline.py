@@ -16,14 +16,15 @@ import time
 
 import torch
 
-from mxrefit.engines import trtllm
-from mxrefit.engines.base import Destination, Engine
-from mxrefit.engines.vllm_layout import EXPERTS, scale_param
+from mxrefit.devices import align, sync_current
+from mxrefit.engine.base import Engine
 from mxrefit.formats import fp8_block, mxfp8
-from mxrefit.plan import align
-from mxrefit.sender import RefitReport
-from mxrefit.transport.buffers import create_buffers, default_kind, open_buffers
+from mxrefit.integrations.vllm import trtllm
+from mxrefit.integrations.vllm.layout import EXPERTS, scale_param
+from mxrefit.plan.types import Destination
+from mxrefit.source.sender import RefitReport
 from mxrefit.transport.control import ControlClient, ControlServer
+from mxrefit.transport.factory import create_buffers, default_kind, open_buffers
 
 _OP_BUCKET = "baseline_bucket"
 _QUANTIZERS = {
@@ -84,8 +85,7 @@ class BaselineSender:
                     n = src.numel() * src.element_size()
                     buf[off : off + n].view(src.dtype).view(src.shape).copy_(src)
                     manifest.append([name, off, list(src.shape)])
-                if self.device.type == "cuda":
-                    torch.cuda.current_stream(self.device).synchronize()
+                sync_current(self.device)
                 report.pack_s += time.perf_counter() - t
                 desc = buffers.describe()
                 self.client.send({"op": _OP_BUCKET, "buffers": desc, "slot": i % 2, "tensors": manifest, "bucket": i})
@@ -152,8 +152,7 @@ class BaselineReceiver:
             if msg.get("op") == "commit":
                 for name in self.post:
                     per_expert_trtllm(name, self._typed(name), self._typed(scale_param(name)))
-                if self.engine.device.type == "cuda":
-                    torch.cuda.current_stream(self.engine.device).synchronize()
+                sync_current(self.engine.device)
                 self.server.send({"op": "committed", "process_s": time.perf_counter() - t})
                 continue
             opened = open_buffers(msg["buffers"], self.engine.device)
@@ -165,8 +164,7 @@ class BaselineReceiver:
                     src = buf[off : off + n].view(torch.bfloat16).view(shape)
                     for target, part in zip(dest.targets, quantize_as(dest.format, src, name=name)):
                         self._view(target).copy_(part)
-                if self.engine.device.type == "cuda":
-                    torch.cuda.current_stream(self.engine.device).synchronize()
+                sync_current(self.engine.device)
             finally:
                 opened.close()
             self.server.send({"op": "applied", "bucket": msg["bucket"], "apply_s": time.perf_counter() - t})

@@ -31,12 +31,14 @@ import torch
 
 from mxrefit.bench.run import POST, _sample_check, make_weights
 from mxrefit.devices import bind, resolve
-from mxrefit.engines.layout import LayoutEngine
-from mxrefit.engines.trtllm import vllm_mxfp8_units
-from mxrefit.engines.vllm_layout import vllm_destinations, vllm_params
+from mxrefit.engine.layout import LayoutEngine
+from mxrefit.engine.receiver import Receiver
+from mxrefit.integrations.vllm.layout import vllm_destinations, vllm_params
+from mxrefit.integrations.vllm.trtllm import vllm_mxfp8_units
 from mxrefit.lifecycle import OptimizerOffloader, prepare_for_generation, prepare_for_training
-from mxrefit.plan import SourceSpec
-from mxrefit.shapes import BUILTIN, hf_tensor_specs
+from mxrefit.plan.build import SourceSpec
+from mxrefit.plan.shapes import BUILTIN, hf_tensor_specs
+from mxrefit.source.sender import Sender
 
 
 def _free_bytes(dev: torch.device) -> int:
@@ -45,8 +47,6 @@ def _free_bytes(dev: torch.device) -> int:
 
 def _engine_main(conn, model: str, device: str, timeout_s: float, experts: str, post: str, kv_bytes: int) -> None:
     """Engine process: refits are served on a thread; sleep/wake_up arrive on the pipe."""
-    from mxrefit.receiver import Receiver
-
     dev = bind(device)
     shape = BUILTIN[model]
     params = vllm_params(shape, mxfp8=True)
@@ -156,8 +156,6 @@ def phase_bench(model: str = "tiny-qwen3-moe", device: str = "auto", *, steps: i
                 experts: str = "per_expert", post: str = "trtllm", timeout_s: float = 300.0,
                 modes: tuple[str, ...] = ("overlap", "serial"), seed: int = 0) -> dict[str, Any]:
     """Run both phase modes on one engine process; one JSON-able object with every figure."""
-    from mxrefit.sender import Sender
-
     if post not in POST:
         raise ValueError(f"post must be one of {POST}, got {post!r}")
 

@@ -38,13 +38,16 @@ from typing import Any
 
 import torch
 
-from mxrefit.bench.baseline import quantize_as
+from mxrefit.bench.baseline import BaselineReceiver, BaselineSender, quantize_as
 from mxrefit.devices import bind, resolve
-from mxrefit.engines.layout import LayoutEngine
-from mxrefit.engines.trtllm import reference_kernel_bytes, vllm_mxfp8_units
-from mxrefit.engines.vllm_layout import quantized_param_names, scale_param, vllm_destinations, vllm_params
-from mxrefit.plan import SourceSpec
-from mxrefit.shapes import BUILTIN, ModelShape, hf_tensor_specs
+from mxrefit.engine.layout import LayoutEngine
+from mxrefit.engine.receiver import Receiver
+from mxrefit.integrations.vllm.layout import quantized_param_names, scale_param, vllm_destinations, vllm_params
+from mxrefit.integrations.vllm.trtllm import reference_kernel_bytes, vllm_mxfp8_units
+from mxrefit.plan.build import SourceSpec
+from mxrefit.plan.shapes import BUILTIN, ModelShape, hf_tensor_specs
+from mxrefit.source.sender import Sender
+from mxrefit.transport.factory import default_kind
 
 MODES = ("baseline", "prequant")
 ALL_MODES = ("baseline", "prequant", "prequant-buffers")
@@ -90,9 +93,6 @@ def _post_params(shape: ModelShape, post: str) -> set[str]:
 def _engine_main(conn, shape: ModelShape, mode: str, device: str, timeout_s: float, experts: str, post: str,
                  fmt: str) -> None:
     """Engine process: build the layout, serve refits until told to stop, report memory."""
-    from mxrefit.bench.baseline import BaselineReceiver
-    from mxrefit.receiver import Receiver
-
     dev = bind(device)
     params = vllm_params(shape, fmt=fmt)
     dests = vllm_destinations(shape, fmt=fmt, experts=experts)
@@ -213,10 +213,6 @@ def _sample_check(sender, shape: ModelShape, engine_dests, weights: dict[str, to
 def run_mode(mode: str, shape: ModelShape, device: torch.device, weights: dict[str, torch.Tensor], *,
              steps: int, warmup: int, bucket_bytes: int, timeout_s: float, experts: str, post: str,
              fmt: str = "mxfp8", on_step=None) -> dict[str, Any]:
-    from mxrefit.bench.baseline import BaselineSender
-    from mxrefit.sender import Sender
-    from mxrefit.transport.buffers import default_kind
-
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_engine_main, args=(child, shape, mode, str(device), timeout_s, experts, post, fmt),

@@ -29,11 +29,15 @@ from typing import Any
 import torch
 
 from mxrefit.errors import MxrefitError
+from mxrefit.integrations.vllm.client import refit_while
+from mxrefit.plan.build import SourceSpec
+from mxrefit.source.checkpoint import save_mxfp8_checkpoint
+from mxrefit.source.sender import RefitReport, Sender
 
 SUPPORTED_TRL = ("1.16.",)
 TESTED_TRL = "1.16.0"
 FORMATS = ("bf16", "mxfp8")
-EXTENSION = "mxrefit.engines.vllm.RefitWorkerExtension"
+EXTENSION = "mxrefit.integrations.vllm.worker.RefitWorkerExtension"
 
 
 class TrlIntegrationError(MxrefitError, RuntimeError):
@@ -85,8 +89,6 @@ def check_config(args: Any, refit_format: str) -> None:
 def save_engine_checkpoint(model: torch.nn.Module, processing_class: Any, path: str) -> str:
     """The step-0 policy as a ModelOpt MXFP8 checkpoint (BF16 where the rules keep BF16), with
     the tokenizer beside it, so vLLM starts in the bytes every refit will send."""
-    from mxrefit.checkpoint import save_mxfp8_checkpoint
-
     save_mxfp8_checkpoint(copy.deepcopy(model).to(torch.bfloat16), path)
     processing_class.save_pretrained(path)
     return path
@@ -101,9 +103,6 @@ def _classes() -> tuple[type, type]:
     from trl.trainer.utils import ensure_master_addr_port
     from vllm import LLM
 
-    from mxrefit.engines.vllm import refit_while
-    from mxrefit.plan import SourceSpec
-    from mxrefit.sender import RefitReport, Sender
 
     class MxrefitVLLMGeneration(VLLMGeneration):
         """TRL's generation backend with mxrefit's worker extension in vLLM and a refit as its weight sync."""

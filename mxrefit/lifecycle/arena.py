@@ -21,9 +21,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from mxrefit.devices import ALIGN
 from mxrefit.errors import MxrefitError
 
-ALIGN = 512
 PAGE = 4096
 DEFAULT_HEADROOM_BYTES = 1 << 30
 

@@ -54,17 +54,10 @@ from typing import Any, Iterator
 import torch
 from torch import distributed as dist
 
-from mxrefit.transport.buffers import (
-    MAX_BUFFER_BYTES,
-    MAX_BUFFERS,
-    OpenedBuffers,
-    TransferBuffers,
-    TransportError,
-    check_int,
-    check_keys,
-)
+from mxrefit.transport.buffers import OpenedBuffers, TransferBuffers, TransportError
+from mxrefit.transport.protocol import MAX_BUFFER_BYTES, MAX_BUFFERS, check_int, check_keys
 
-log = logging.getLogger("mxrefit.broadcast")
+log = logging.getLogger("mxrefit.source.broadcast_sender")
 
 BACKENDS = ("gloo", "nccl")
 MAX_RANKS = 1 << 16

@@ -39,14 +39,8 @@ from typing import Any
 import torch
 
 from mxrefit.devices import resolve
-from mxrefit.transport.buffers import (
-    MAX_BUFFER_BYTES,
-    OpenedBuffers,
-    TransferBuffers,
-    check_int,
-    check_keys,
-    check_list,
-)
+from mxrefit.transport.buffers import OpenedBuffers, TransferBuffers
+from mxrefit.transport.protocol import MAX_BUFFER_BYTES, check_int, check_keys, check_list
 
 ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 _FIELD_NAMES = ("device", "handle", "size", "offset", "ref_counter_handle", "ref_counter_offset",

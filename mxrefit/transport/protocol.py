@@ -26,6 +26,10 @@ import msgpack
 
 from mxrefit.errors import MxrefitError
 
+BYTESUM_MOD = 65521  # the modulus of the "checksum" reply's weighted sum (transport/bytesum.py)
+MAX_BUFFERS = 1024  # the most transfer buffers a description may name
+MAX_BUFFER_BYTES = 1 << 44  # the largest buffer a description may claim
+
 
 class Op:
     """Message kinds (the ``op`` field). Requests go trainer → engine, replies engine → trainer."""
@@ -259,3 +263,29 @@ def check_reply(msg: dict[str, Any], *expected: str) -> dict[str, Any]:
             problems.append(f"... and {len(msg['problems']) - MAX_PROBLEMS} more")
         msg["problems"] = problems
     return msg
+
+
+# ---- field validators, shared by every message and buffer description reader ----------------
+def check_int(value: Any, name: str, low: int, high: int) -> int:
+    """``value`` as an int in [low, high], else ValueError (bools are not counts)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name} must be an int in [{low}, {high}], got {value!r}")
+    return value
+
+
+def check_keys(desc: dict[str, Any], expected: set[str]) -> None:
+    """Exact key set, so a truncated or foreign description fails loudly instead of half-working."""
+    missing = expected - desc.keys()
+    extra = desc.keys() - expected
+    if missing or extra:
+        raise ValueError(
+            f"bad {desc.get('kind')!r} buffer description: missing keys {sorted(missing)}, "
+            f"unexpected keys {sorted(map(str, extra))}"
+        )
+
+
+def check_list(value: Any, name: str) -> list[Any]:
+    """A non-empty list of at most MAX_BUFFERS entries."""
+    if not isinstance(value, list) or not 1 <= len(value) <= MAX_BUFFERS:
+        raise ValueError(f"{name} must be a list of 1..{MAX_BUFFERS} entries, got {value!r:.200}")
+    return value

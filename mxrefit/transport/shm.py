@@ -25,14 +25,8 @@ from typing import Any
 
 import torch
 
-from mxrefit.transport.buffers import (
-    MAX_BUFFER_BYTES,
-    OpenedBuffers,
-    TransferBuffers,
-    check_int,
-    check_keys,
-    check_list,
-)
+from mxrefit.transport.buffers import OpenedBuffers, TransferBuffers
+from mxrefit.transport.protocol import MAX_BUFFER_BYTES, check_int, check_keys, check_list
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
 

@@ -22,7 +22,7 @@ _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def _triton_module():
     try:
-        from mxrefit import _finite_check_triton
+        from mxrefit.formats import _finite_check_triton
     except ImportError:
         return None
     return _finite_check_triton

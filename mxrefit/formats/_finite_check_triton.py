@@ -1,4 +1,4 @@
-"""Triton kernel of ``mxrefit.finite_check``: one launch screens many tensors of one dtype.
+"""Triton kernel of ``mxrefit.formats.finite_check``: one launch screens many tensors of one dtype.
 
 A value is non-finite when its exponent bits are all ones (bf16: 0x7F80, fp16: 0x7C00,
 fp32: 0x7F800000); the kernel reads raw words and tests those bits, so it is exact under

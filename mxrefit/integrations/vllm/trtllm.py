@@ -27,6 +27,9 @@ import os
 
 import torch
 
+from mxrefit.engine.staging import StagedUnit
+from mxrefit.integrations.vllm.layout import EXPERTS, quantized_param_names, scale_param
+
 SCALE_BLOCK = 32
 TILE_ROWS = 128
 TILE_COLS = 4
@@ -91,7 +94,7 @@ def _kernels(device: torch.device):
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
         return None
     try:
-        from mxrefit.engines import _trtllm_triton
+        from mxrefit.integrations.vllm import _trtllm_triton
     except ImportError:
         return None
     return _trtllm_triton
@@ -146,12 +149,9 @@ def vllm_mxfp8_units(shape, params: dict, device: torch.device) -> tuple[list, d
     """Staged units and kernel tensors that turn vLLM's MXFP8 checkpoint layout into the layout
     FlashInfer's kernels read: MoE values and scales shuffled/interleaved, linear scales swizzled.
 
-    ``shape`` is a ``mxrefit.shapes.ModelShape``, ``params`` its ``vllm_params(shape, mxfp8=True)``.
+    ``shape`` is a ``mxrefit.plan.shapes.ModelShape``, ``params`` its ``vllm_params(shape, mxfp8=True)``.
     Returns (units, kernel) for ``LayoutEngine(..., units=units, kernel=kernel)``.
     """
-    from mxrefit.engines.staging import StagedUnit
-    from mxrefit.engines.vllm_layout import EXPERTS, quantized_param_names, scale_param
-
     units, kernel = [], {}
     for name in quantized_param_names(shape):
         spec = params[name]
@@ -186,8 +186,6 @@ def vllm_mxfp8_units(shape, params: dict, device: torch.device) -> tuple[list, d
 def reference_kernel_bytes(name: str, checkpoint: torch.Tensor) -> torch.Tensor:
     """What ``vllm_mxfp8_units`` must hold for param ``name`` given its checkpoint-format bytes,
     computed by plain indexing (no fused scatter): the bench's independent check."""
-    from mxrefit.engines.vllm_layout import EXPERTS
-
     u8 = checkpoint.view(torch.uint8)
     if f"{EXPERTS}." in name:
         gated = ".w13_weight" in name

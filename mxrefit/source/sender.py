@@ -6,11 +6,11 @@ Two data paths, chosen once at ``plan``:
   own bytes; no buffer on either side, no engine-side copy;
 - buffers (``cuda_ipc`` / ``shm``): parts are encoded into two persistent slots and the
   engine applies each bucket as one batched copy.
-  For engines on other GPUs or nodes, ``mxrefit.broadcast.BroadcastSender`` runs this same
+  For engines on other GPUs or nodes, ``mxrefit.source.broadcast_sender.BroadcastSender`` runs this same
   loop over broadcast buffers: ``publish`` starts a collective per bucket, each engine rank
   ``fetch``-es it into its own slot (``mxrefit.transport.broadcast``).
 Per step the work is: check the tensors are the planned ones (identity-cached), one
-non-finite screen over every tensor (``mxrefit.finite_check``), then per bucket one grouped
+non-finite screen over every tensor (``mxrefit.formats.finite_check``), then per bucket one grouped
 launch per format + a "ready" message; the engine answers "applied" once the bucket's bytes
 are in place (and processed, for engines that post-process), and bucket *i* is encoded only
 after bucket *i - slots* was applied.
@@ -32,20 +32,29 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mxrefit.bytesum import ByteSum
 from mxrefit.devices import resolve
-from mxrefit.eligibility import QuantRules, check_rules
 from mxrefit.errors import MxrefitError
-from mxrefit.finite_check import FiniteCheck
 from mxrefit.formats import get_format, mxfp8
 from mxrefit.formats._common import NO_BAD, bad_flag, first_bad
-from mxrefit.plan import DEFAULT_BUCKET_BYTES, PlanMismatch, RefitPlan, SourceSpec, build_plan, sources_to_msg, tables_from_msg
-from mxrefit.transport.buffers import KINDS, TransferBuffers, create_buffers, default_kind
+from mxrefit.formats.finite_check import FiniteCheck
+from mxrefit.plan.build import (
+    DEFAULT_BUCKET_BYTES,
+    PlanMismatch,
+    RefitPlan,
+    SourceSpec,
+    build_plan,
+    sources_to_msg,
+    tables_from_msg,
+)
+from mxrefit.plan.eligibility import QuantRules, check_rules
+from mxrefit.transport.buffers import TransferBuffers
+from mxrefit.transport.bytesum import ByteSum
 from mxrefit.transport.control import ControlClient, ControlError, PeerTimeout
-from mxrefit.transport.exports import OpenedExports, open_exports
+from mxrefit.transport.direct import OpenedExports, open_exports
+from mxrefit.transport.factory import KINDS, create_buffers, default_kind
 from mxrefit.transport.protocol import Malformed, Op, check_reply
 
-log = logging.getLogger("mxrefit.sender")
+log = logging.getLogger("mxrefit.source.sender")
 
 TRANSPORTS = ("direct", *KINDS)
 Tensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
@@ -79,11 +88,6 @@ class RefitReport:
     extra: dict = field(default_factory=dict)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
-
-
 class Sender:
     """Trainer side of a refit; use from one thread. ``transport``: None (direct when the
     engine can export its storage, else buffers for this device), ``"direct"``, ``"shm"`` or
@@ -103,7 +107,7 @@ class Sender:
         verify: bool = False,
         rules: QuantRules | None = None,
     ):
-        """``verify``: per-bucket integrity sums (``mxrefit.bytesum``) checked by the engine
+        """``verify``: per-bucket integrity sums (``mxrefit.transport.bytesum``) checked by the engine
         before it applies a bucket; a mismatch fails the refit with the bucket named.
         ``rules``: the trainer's own quantization rules; the plan is refused (PlanMismatch naming
         each tensor) where the engine's tables quantize differently."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mxrefit.formats.mxfp8_oracle import e4m3_table
+from mxrefit.formats.reference.mxfp8_oracle import e4m3_table
 
 _AMAX_FLOOR = np.float32(1e-4)
 

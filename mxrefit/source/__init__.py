@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from mxrefit.plan import SourceSpec
+from mxrefit.plan.build import SourceSpec
 
 
 class WeightSource(Protocol):

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mxrefit.engines.base import Destination, ParamSpec, Shard
 from mxrefit.formats.mxfp8 import BLOCK
+from mxrefit.plan.types import Destination, ParamSpec, Shard
 
 
 @dataclass(frozen=True)

@@ -24,25 +24,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mxrefit.bytesum import ByteSum
-from mxrefit.engines.base import Engine
-from mxrefit.engines.shards import check_shards, local_nbytes, run_copies, strided
+from mxrefit.devices import sync_current
+from mxrefit.engine.base import Engine
+from mxrefit.engine.shards import check_shards, local_nbytes, run_copies, strided
 from mxrefit.errors import MxrefitError
-from mxrefit.plan import PlanMismatch, RefitPlan, align, build_plan, sources_from_msg, tables_to_msg
-from mxrefit.transport.buffers import (
-    MAX_BUFFER_BYTES,
-    MAX_BUFFERS,
-    OpenedBuffers,
-    TransportError,
-    check_int,
-    decline_buffers,
-    open_buffers,
-)
+from mxrefit.plan.build import PlanMismatch, RefitPlan, align, build_plan, sources_from_msg, tables_to_msg
+from mxrefit.transport.buffers import OpenedBuffers, TransportError
+from mxrefit.transport.bytesum import ByteSum
 from mxrefit.transport.control import ControlError, ControlServer, PeerTimeout
-from mxrefit.transport.exports import allocate, export_tensors
-from mxrefit.transport.protocol import MAX_PROBLEMS, Malformed, Op, check_request, text
+from mxrefit.transport.direct import allocate, export_tensors
+from mxrefit.transport.factory import decline_buffers, open_buffers
+from mxrefit.transport.protocol import MAX_BUFFER_BYTES, MAX_BUFFERS, MAX_PROBLEMS, Malformed, Op, check_int, check_request, text
 
-log = logging.getLogger("mxrefit.receiver")
+log = logging.getLogger("mxrefit.engine.receiver")
 
 _MAX_ERROR_CHARS = 1000
 HISTORY_REFITS = 100
@@ -412,8 +406,7 @@ class Receiver:
             self._buffers.fetch(b.slot, b.nbytes)
 
     def _sync(self) -> None:
-        if self.engine.device.type == "cuda":
-            torch.cuda.current_stream(self.engine.device).synchronize()
+        sync_current(self.engine.device)
 
     def _verify(self, bucket: int, claimed) -> str | None:
         """Compare the bucket's landed bytes with the trainer's sums; a message if they differ."""

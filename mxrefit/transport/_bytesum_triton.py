@@ -1,4 +1,4 @@
-"""Triton kernel of ``mxrefit.bytesum``: two int64 sums over many byte regions in one launch.
+"""Triton kernel of ``mxrefit.transport.bytesum``: two int64 sums over many byte regions in one launch.
 
 Programs are (region, chunk) pairs from a table built once per bucket (regions are views of
 persistent buffers or engine storage, so their addresses never change). A region is read as
@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mxrefit.bytesum import MOD
+from mxrefit.transport.protocol import BYTESUM_MOD as MOD
 
 CHUNK = 16384  # words per program, below MOD: see the weights in the kernel
 

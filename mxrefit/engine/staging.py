@@ -26,10 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from mxrefit.engines.base import ParamSpec
-from mxrefit.transport.exports import allocate
-
-ALIGN = 512
+from mxrefit.devices import align
+from mxrefit.plan.types import ParamSpec
+from mxrefit.transport.direct import allocate
 
 
 @dataclass
@@ -39,10 +38,6 @@ class StagedUnit:
     name: str
     params: Sequence[str]
     process: Callable[[dict[str, torch.Tensor]], None]
-
-
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
 
 
 def assign_regions(sizes: Sequence[int], intervals: Sequence[tuple[int, int]]) -> tuple[list[int], int]:
@@ -58,7 +53,7 @@ def assign_regions(sizes: Sequence[int], intervals: Sequence[tuple[int, int]]) -
     for u in order:
         start, end = intervals[u]
         live = [r for r in live if r[2] >= start]
-        size = _align(max(sizes[u], 1))
+        size = align(max(sizes[u], 1))
         pos = 0
         for off, sz, _ in sorted(live):
             if pos + size <= off:
@@ -114,7 +109,7 @@ class StagingPool:
             first, last = min(touched[u]), max(touched[u])
             end = last_bucket + plan.slots if self.deferred else last + plan.slots - 1
             intervals.append((first, end))
-            sizes.append(sum(_align(self.specs[p].nbytes) for p in unit.params))
+            sizes.append(sum(align(self.specs[p].nbytes) for p in unit.params))
         offsets, total = assign_regions(sizes, intervals)
         if self._pool is None or self._pool.numel() < total:
             self._pool = None
@@ -126,7 +121,7 @@ class StagingPool:
             for p in unit.params:
                 n = self.specs[p].nbytes
                 self._views[p] = self._pool[pos : pos + n]
-                pos += _align(n)
+                pos += align(n)
         self._due = {}
         if not self.deferred:
             for u in range(len(self.units)):

@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 import msgpack
 import torch
 
-from mxrefit.dtypes import dtype_from_name, dtype_name
-from mxrefit.engines.base import Destination, ParamSpec, Target
+from mxrefit.devices import ALIGN, align
 from mxrefit.errors import MxrefitError
 from mxrefit.formats import get_format
+from mxrefit.plan.dtypes import dtype_from_name, dtype_name
+from mxrefit.plan.types import Destination, ParamSpec, Target
 
-ALIGN = 512
 DEFAULT_BUCKET_BYTES = 512 << 20
 
 
@@ -74,11 +74,6 @@ class Bucket:
     sources: list[int] = field(default_factory=list)
     parts: list[Part] = field(default_factory=list)
     runs: list[Run] = field(default_factory=list)
-
-
-def align(n: int) -> int:
-    """Round up to the buffer alignment."""
-    return -(-n // ALIGN) * ALIGN
 
 
 @dataclass

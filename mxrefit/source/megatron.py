@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from mxrefit.plan import SourceSpec
+from mxrefit.plan.build import SourceSpec
 
 TIED_COPY = "lm_head.weight"
 

@@ -6,7 +6,7 @@ fused parameters, staged post-processing — runs exactly as it would against a 
 
 All directly written parameters live in one exportable arena (one CUDA IPC handle, or one
 shared-memory segment on the host), so the trainer can write into them directly. Optional
-staged units (``mxrefit.engines.staging``) receive checkpoint-format bytes and write the
+staged units (``mxrefit.engine.staging``) receive checkpoint-format bytes and write the
 kernel tensors when processed, as a real engine's post-load processing would.
 
 With ``shards`` it is one tensor-parallel rank of such an engine: the tables stay whole and each
@@ -19,11 +19,12 @@ from collections.abc import Sequence
 
 import torch
 
-from mxrefit.devices import resolve
-from mxrefit.engines.base import Destination, Engine, ParamSpec, Shard
-from mxrefit.engines.shards import local_nbytes
-from mxrefit.engines.staging import ALIGN, StagedUnit, StagingPool
-from mxrefit.transport.exports import allocate
+from mxrefit.devices import align, resolve
+from mxrefit.engine.base import Engine
+from mxrefit.engine.shards import local_nbytes
+from mxrefit.engine.staging import StagedUnit, StagingPool
+from mxrefit.plan.types import Destination, ParamSpec, Shard
+from mxrefit.transport.direct import allocate
 
 
 class LayoutEngine(Engine):
@@ -51,7 +52,7 @@ class LayoutEngine(Engine):
         offsets, sizes, total = {}, {}, 0
         for n in direct:
             offsets[n], sizes[n] = total, local_nbytes(params[n], self._shards.get(n))
-            total += -(-sizes[n] // ALIGN) * ALIGN
+            total += align(sizes[n])
         self.arena = allocate(max(total, 1), self._device)
         self.arena.zero_()
         self._storage = {n: self.arena[offsets[n] : offsets[n] + sizes[n]] for n in direct}

@@ -23,7 +23,7 @@ compares ``named_parameters()`` and loads bytes through vLLM's own ``load_weight
   before the experts and stays BF16; so do the norms, ``embed_tokens`` and ``lm_head``. vLLM
   quantizes ``lm_head`` and the router unless the checkpoint's ``exclude_modules`` lists them
   (``lm_head``, ``model.layers.*.mlp.gate``): the project's MXFP8 config always does. Which
-  other layers stay BF16 is ``mxrefit.eligibility.QuantRules`` (exported as that config).
+  other layers stay BF16 is ``mxrefit.plan.eligibility.QuantRules`` (exported as that config).
 - ModelOpt MXFP8 (``layers/quantization/modelopt.py``): a linear layer gets ``weight``
   (``float8_e4m3fn [N, K]``) and ``weight_scale`` (``uint8 [N, K/32]``), ``KMxfp8Static``
   (lines 2271-2322); MoE gets ``w13_weight``, ``w2_weight``, ``w13_weight_scale
@@ -82,11 +82,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from mxrefit.eligibility import DEFAULT_RULES, QuantRules
-from mxrefit.engines.base import Destination, ParamSpec, Shard, Target
-from mxrefit.engines.shards import mxfp8_scale_shard
+from mxrefit.engine.shards import mxfp8_scale_shard
 from mxrefit.formats import fp8_block, mxfp8
-from mxrefit.shapes import ModelShape, hf_tensor_specs
+from mxrefit.plan.eligibility import DEFAULT_RULES, QuantRules
+from mxrefit.plan.shapes import ModelShape, hf_tensor_specs
+from mxrefit.plan.types import Destination, ParamSpec, Shard, Target
 
 VOCAB_PADDING = 64
 EXPERTS = "mlp.experts.routed_experts"

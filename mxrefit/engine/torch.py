@@ -4,7 +4,7 @@ Destination names are the module's own parameter names, so an HF model receives 
 as they are. Storage is written in place: parameter objects and their data pointers never
 change across refits. Parameters that share storage (tied embeddings) are one destination.
 
-With ``quant`` set, every weight that ``rules`` quantize (``mxrefit.eligibility.QuantRules``,
+With ``quant`` set, every weight that ``rules`` quantize (``mxrefit.plan.eligibility.QuantRules``,
 by default all linear and expert weights but ``lm_head`` and the router) is held quantized, as
 vLLM's layers hold it: the parameter ``<attr>`` is replaced by an E4M3 buffer ``<attr>`` plus
 a scale buffer on the same module, initialised by quantizing the current weight:
@@ -30,11 +30,12 @@ from typing import Callable
 import torch
 from torch import nn
 
-from mxrefit.eligibility import DEFAULT_RULES, QuantRules, layer_of
-from mxrefit.engines.base import Destination, Engine, ParamSpec, Shard, Target
-from mxrefit.engines.shards import mxfp8_scale_shard
-from mxrefit.engines.tensor_parallel import hf_shard
+from mxrefit.engine.base import Engine
+from mxrefit.engine.shards import mxfp8_scale_shard
+from mxrefit.engine.tensor_parallel import hf_shard
 from mxrefit.formats import fp8_block, mxfp8
+from mxrefit.plan.eligibility import DEFAULT_RULES, QuantRules, layer_of
+from mxrefit.plan.types import Destination, ParamSpec, Shard, Target
 
 
 @dataclass(frozen=True)

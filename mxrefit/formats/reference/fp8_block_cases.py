@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from mxrefit.formats.mxfp8_cases import all_finite_bf16, random_normal, special_blocks
+from mxrefit.formats.reference.mxfp8_cases import all_finite_bf16, random_normal, special_blocks
 
 SWEEP_BLOCK = (16, 16)
 

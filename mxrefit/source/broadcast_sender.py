@@ -23,9 +23,9 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from mxrefit.eligibility import QuantRules
-from mxrefit.plan import DEFAULT_BUCKET_BYTES, RefitPlan, SourceSpec
-from mxrefit.sender import RefitError, RefitReport, Sender, Tensors
+from mxrefit.plan.build import DEFAULT_BUCKET_BYTES, RefitPlan, SourceSpec
+from mxrefit.plan.eligibility import QuantRules
+from mxrefit.source.sender import RefitError, RefitReport, Sender, Tensors
 from mxrefit.transport.broadcast import BroadcastBuffers, RendezvousError, RendezvousStore, default_backend
 from mxrefit.transport.buffers import TransportError
 from mxrefit.transport.control import ControlError, PeerTimeout

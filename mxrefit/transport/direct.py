@@ -33,7 +33,9 @@ from typing import Any
 
 import torch
 
-from mxrefit.transport.buffers import MAX_BUFFER_BYTES, MAX_BUFFERS, check_int, check_keys, check_list
+from mxrefit.transport.cuda_ipc import _OWNED_HERE, _check_fields, _device_uuid, _local_index, _rebuild, ipc_shareable_allocations
+from mxrefit.transport.protocol import MAX_BUFFER_BYTES, MAX_BUFFERS, check_int, check_keys, check_list
+from mxrefit.transport.shm import _NAME, ShmBuffers, _map_segment, _tensor_over
 
 _MAX_TENSORS = 1 << 20
 _SHM_ARENAS: dict[int, tuple[str, int]] = {}  # base address -> (segment name, nbytes), live arenas of this process
@@ -49,14 +51,10 @@ def allocate(nbytes: int, device: torch.device | str) -> torch.Tensor:
     device = torch.device(device)
     check_int(nbytes, "nbytes", 1, MAX_BUFFER_BYTES)
     if device.type == "cuda":
-        from mxrefit.transport.cuda_ipc import ipc_shareable_allocations
-
         with ipc_shareable_allocations():
             return torch.empty(nbytes, dtype=torch.uint8, device=device)
     if device.type != "cpu":
         raise ValueError(f"exportable memory lives on CUDA or in host shared memory, not on {device}")
-    from mxrefit.transport.shm import ShmBuffers
-
     owner = ShmBuffers(1, nbytes)
     tensor = owner.buffers[0]
     name = owner.describe()["names"][0]
@@ -102,7 +100,7 @@ def _plan_export(tensors: Mapping[str, torch.Tensor]) -> str:
             except LookupError:
                 raise ValueError(
                     f"tensor {name!r} is in private host memory; the direct transport needs engine storage "
-                    f"made by mxrefit.transport.exports.allocate"
+                    f"made by mxrefit.transport.direct.allocate"
                 ) from None
             kinds.add("shm")
         else:
@@ -143,8 +141,6 @@ def export_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
 
 
 def _describe_cuda(storages: list[torch.UntypedStorage]) -> dict[str, Any]:
-    from mxrefit.transport.cuda_ipc import _OWNED_HERE, _check_fields, _device_uuid
-
     if not storages:
         return {"device_uuid": "", "owner_id": "", "exports": []}
     device = storages[0].device
@@ -211,8 +207,6 @@ def open_exports(desc: dict[str, Any], device: torch.device | str | None = None)
 
 
 def _open_shm(desc: dict[str, Any], device: torch.device | str | None) -> OpenedExports:
-    from mxrefit.transport.shm import _NAME, _map_segment, _tensor_over
-
     check_keys(desc, {"kind", "segments", "tensors"})
     if device is not None and torch.device(device).type != "cpu":
         raise ValueError(f"shm exports live in host memory; cannot open them on {device!r}")
@@ -256,8 +250,6 @@ def _checked_segment_stat(name: str, size: int, inode: int | None = None) -> int
 
 
 def _open_cuda(desc: dict[str, Any], device: torch.device | str | None) -> OpenedExports:
-    from mxrefit.transport.cuda_ipc import _OWNED_HERE, _check_fields, _local_index, _rebuild
-
     check_keys(desc, {"kind", "device_uuid", "owner_id", "exports", "tensors"})
     exports = desc["exports"]
     if not isinstance(exports, list) or len(exports) > MAX_BUFFERS * 64:

@@ -17,7 +17,7 @@ there are fewer than ranks, and pads the vocabulary).
 
 from __future__ import annotations
 
-from mxrefit.engines.base import Shard
+from mxrefit.plan.types import Shard
 
 _COLUMN = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight",
            "embed_tokens.weight", "lm_head.weight")

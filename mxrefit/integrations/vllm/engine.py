@@ -1,12 +1,12 @@
-"""vLLM as an mxrefit engine, plugged in the two ways RL stacks drive vLLM.
+"""vLLM's live model as an mxrefit ``Engine``: tables once, staging, vLLM's own post-load processing.
 
 Inside a vLLM worker, ``VllmEngine`` describes the live model as mxrefit tables, built once:
 HF tensor names (per-expert or grouped experts) routed to vLLM's fused checkpoint-format
-parameters (``engines/vllm_layout.py``), with shapes and dtypes checked against the
+parameters (``mxrefit/integrations/vllm/layout.py``), with shapes and dtypes checked against the
 checkpoint-format metadata vLLM records when it builds the model, and the quantized format
 read from it too: ModelOpt MXFP8 (``weight`` + uint8 ``weight_scale``) or ``Fp8Config`` block
 FP8 (``weight`` + float32 ``weight_scale_inv``, 128x128 tiles). Every refit lands in a
-staging pool (``engines/staging.py``; only the layers in flight hold memory), and each
+staging pool (``mxrefit/engine/staging.py``; only the layers in flight hold memory), and each
 layer, once its bytes are complete, goes through vLLM's own post-load processing — the
 same steps as vLLM's layerwise reload (materialize the checkpoint-format layer, run
 ``process_weights_after_loading``, copy the result into the kernel tensors in place, so
@@ -21,67 +21,54 @@ vLLM's own loader (``model.load_weights`` inside its layerwise reload) from chec
 staging, with a warning naming the parameters on that slow path.
 
 On FlashInfer's TRT-LLM MXFP8 MoE backend (Blackwell), MoE layers skip vLLM's three-gather
-shuffle for the folded one-pass layout of ``engines/trtllm.py``; with ``MXREFIT_VERIFY=1``
+shuffle for the folded one-pass layout of ``mxrefit/integrations/vllm/trtllm.py``; with ``MXREFIT_VERIFY=1``
 the first refit also runs vLLM's own processing and compares the bytes.
 
-Plugging in:
-- ``WeightTransferConfig(backend="mxrefit")``: ``MxrefitWeightTransferEngine`` (worker side)
-  and ``MxrefitTrainerEngine`` (trainer side, ``WeightTransferTrainerFactory``) follow
-  vLLM's ``init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` /
-  ``finish_weight_update``. ``register()`` is the ``vllm.general_plugins`` entry point, so
-  vLLM's processes know the backend without extra imports; it never raises.
-- ``worker_extension_cls="mxrefit.engines.vllm.RefitWorkerExtension"`` with
-  ``collective_rpc("mxrefit_init" | "mxrefit_receive" | ...)``, methods by name. With tensor
-  parallel size > 1 every worker is one rank of ``mxrefit.broadcast.BroadcastSender``
-  (``rank_endpoints``, ``refit_while(..., until_shutdown=True)``; docs/vllm.md §3).
-Importing this module on a CPU build registers vLLM's MXFP8 emulation linear kernel, which
-vLLM's CPU builds lack, so dense MXFP8 models run on CPU.
-
-vLLM 0.26 to 0.34 differ in some of what this module touches; ``engines/vllm_compat.py`` holds
+vLLM 0.26 to 0.34 differ in some of what this module touches; ``mxrefit/integrations/vllm/compat.py`` holds
 one adapter per difference, chosen by feature detection (docs/vllm.md §4).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
-import importlib.util
 import logging
 import os
-import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from mxrefit.devices import resolve
-from mxrefit.engines.base import Destination, Engine, ParamSpec, Shard, Target
-from mxrefit.engines.staging import StagedUnit, StagingPool
-from mxrefit.engines.vllm_compat import (
+from mxrefit.engine.base import Engine
+from mxrefit.engine.staging import StagedUnit, StagingPool
+from mxrefit.integrations.vllm.compat import (
     TESTED_VLLM,
     VllmSetupError,
-    finish_weight_update,
     module_post_load_hooks,
     replays_expert_post_load,
     require_features,
-    source_metadata,
-    source_tensors,
-    trainer_engine_kwargs,
-    unimplemented_abstract_methods,
     unstaged_meta_tensors,
     verify_first_refit,
     vllm_version,
 )
-from mxrefit.engines.vllm_cpu_amx import amx_safe, ensure_amx_usable
-from mxrefit.engines.vllm_layout import MXFP8_LAYOUT, QUANT_LAYOUTS, QuantLayout
-from mxrefit.errors import MxrefitError
-from mxrefit.shapes import EXPERT_LAYOUTS, ModelShape
+from mxrefit.integrations.vllm.layout import (
+    MXFP8_LAYOUT,
+    QUANT_LAYOUTS,
+    QuantLayout,
+    quantized_param_names,
+    vllm_destinations,
+    vllm_params,
+    vllm_shards,
+)
+from mxrefit.integrations.vllm.trtllm import MoeLayout, check_moe_alignment
+from mxrefit.plan.shapes import EXPERT_LAYOUTS, ModelShape
+from mxrefit.plan.types import Destination, ParamSpec, Shard, Target
 
 log = logging.getLogger("mxrefit.vllm")
 
-BACKEND = "mxrefit"
+BACKEND = "mxrefit"  # the weight-transfer backend's name: WeightTransferConfig(backend="mxrefit")
 _NOT_WEIGHTS = ("Attention", "MLAAttention", "RotaryEmbedding")  # modules whose params no trainer tensor feeds
 
 
@@ -150,8 +137,6 @@ def _fast_tables(shape: ModelShape, live: dict, experts: str, fp8_block: str = "
     The format is read from the live params too: E4M3 linear weights with uint8 ``_scale``
     are MXFP8, with float32 ``_scale_inv`` FP8-block (sent as ``fp8_block``).
     """
-    from mxrefit.engines.vllm_layout import quantized_param_names, vllm_destinations, vllm_params
-
     pairs = _scale_pairs(live, quantized_param_names(shape), _quant_layouts(fp8_block))
     formats = sorted({layout.format for layout, _ in pairs.values()})
     if len(formats) > 1:
@@ -219,8 +204,6 @@ def _sharded_tables(shape: ModelShape, live: dict, experts: str, tp: TensorParal
                     ) -> tuple[dict[str, ParamSpec], dict[str, Destination], dict[str, Shard], list[str]]:
     """Whole-model tables and this rank's slices, checked against the rank's own checkpoint-format
     params (vLLM records them per rank): every param must be exactly its slice of the whole."""
-    from mxrefit.engines.vllm_layout import quantized_param_names, vllm_destinations, vllm_params, vllm_shards
-
     pairs = _scale_pairs(live, quantized_param_names(shape), _quant_layouts("fp8-block"))
     sliceless = sorted({layout.format for layout, _ in pairs.values()} - {MXFP8_LAYOUT.format})
     if sliceless:
@@ -419,7 +402,7 @@ class VllmEngine(Engine):
     A tensor-parallel rank (TP > 1, PP = 1) describes the WHOLE model — the same tables on
     every rank, so the ranks share one plan — and gives its slices in ``shards()``; it stages
     and processes only its own slices. It is refitted over the broadcast transport
-    (``mxrefit.broadcast.BroadcastSender``), never by direct writes.
+    (``mxrefit.source.broadcast_sender.BroadcastSender``), never by direct writes.
     """
 
     def __init__(self, model: torch.nn.Module, vllm_config: Any, device: torch.device | str, *,
@@ -530,8 +513,6 @@ class VllmEngine(Engine):
         for mname, attrs in by_module.items():
             module = modules[mname]
             if _trtllm_moe(module):
-                from mxrefit.engines.trtllm import check_moe_alignment
-
                 for attr, name in attrs.items():
                     if not attr.endswith("_scale"):
                         spec = self._local_spec(name)
@@ -580,8 +561,6 @@ class VllmEngine(Engine):
                 _process_with_vllm(other, {other_attr: staged[attr]})
 
     def _trtllm_fast_path(self, module: torch.nn.Module, staged: dict[str, torch.Tensor]) -> None:
-        from mxrefit.engines.trtllm import MoeLayout
-
         gated = bool(getattr(module.moe_config, "is_act_and_mul", True))
         want = None
         if self.verify and not self._verified:
@@ -708,462 +687,3 @@ class VllmEngine(Engine):
     @property
     def device(self) -> torch.device:
         return self._device
-
-
-# ---- worker side plumbing -----------------------------------------------------------------
-def worker_address(address: str | None, tp: TensorParallelRank) -> str | None:
-    """The address this worker binds: ``{ip}`` becomes its host's IP (vLLM's ``get_ip``), ``{rank}``
-    its tensor-parallel rank. With TP > 1 every worker gets the same string, so one that names a
-    single socket is refused (a second ipc bind would silently take over the first one's path)."""
-    if address is None:
-        return None
-    if tp.size > 1 and "{rank}" not in address and not address.endswith(":*"):
-        raise VllmSetupError(
-            f"address {address!r} would be bound by all {tp.size} tensor-parallel workers; put '{{rank}}' in it "
-            f"or use a tcp address with port '*' (e.g. 'tcp://{{ip}}:*' with allow_remote=True)")
-    if "{ip}" in address:
-        from vllm.utils.network_utils import get_ip
-
-        address = address.replace("{ip}", get_ip())
-    return address.replace("{rank}", str(tp.rank))
-
-
-class _WorkerRefit:
-    """A Receiver serving one vLLM worker's model; refits are served on the worker's thread."""
-
-    def __init__(self, worker: Any, *, address: str | None, token: bytes | None, experts: str,
-                 timeout_s: float, tcp: bool = False, fp8_block: str = "fp8-block", allow_remote: bool = False,
-                 verify: bool | None = None):
-        from mxrefit.receiver import Receiver
-
-        engine = VllmEngine(worker.model_runner.get_model(), worker.vllm_config, worker.device, experts=experts,
-                            fp8_block=fp8_block, verify=verify)
-        self.engine = engine
-        self.receiver = Receiver(engine, address=worker_address(address, engine.tp), token=token, timeout_s=timeout_s,
-                                 tcp=tcp, allow_remote=allow_remote)
-
-    def info(self) -> dict:
-        return {"address": self.receiver.address, "token": self.receiver.token.hex(),
-                "slow_path": len(self.engine.slow_path), "units": len(self.engine.units),
-                "tp_rank": self.engine.tp.rank, "tp_size": self.engine.tp.size, "amx_safe": amx_safe(),
-                **self.receiver.status()}
-
-    def receive(self, refits: int | None = 1) -> dict:
-        # serving until "shutdown" (refits=None), a trainer that goes silent for the receiver's
-        # timeout frees the worker rather than holding its RPC forever
-        idle = self.receiver.timeout_s if refits is None else None
-        with torch.no_grad():
-            self.receiver.serve(refits=refits, idle_timeout_s=idle)
-        if self.engine.device.type == "cuda":
-            torch.cuda.synchronize(self.engine.device)
-        return self.info()
-
-    def close(self) -> None:
-        self.receiver.close()
-        self.engine.pool.release()
-
-
-WORKER_ERROR = "mxrefit_error"
-
-
-class WorkerError(MxrefitError, RuntimeError):
-    """A worker-extension method failed on some of several workers (named, with their errors)."""
-
-
-def _answers_on_every_worker(method):
-    """With several workers, a failure comes back as ``{WORKER_ERROR: "..."}`` instead of raising.
-
-    vLLM 0.32's multiprocess executor stops reading answers at the first worker that raised
-    (``collective_rpc`` in ``v1/executor/multiproc_executor.py``; vllm-project/vllm#49972), so
-    the other workers' answers stay queued and every later RPC reads a stale one. One worker
-    raising is harmless; ``worker_results`` turns the answers back into an error on the trainer.
-    """
-
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        if self.vllm_config.parallel_config.world_size == 1:
-            return method(self, *args, **kwargs)
-        try:
-            return method(self, *args, **kwargs)
-        except Exception as err:  # noqa: BLE001 - answered, so every worker's queue stays in step
-            log.exception("mxrefit: %s failed on this worker", method.__name__)
-            return {WORKER_ERROR: f"{type(err).__name__}: {err}"}
-
-    return wrapper
-
-
-def worker_results(results: Sequence[Any]) -> list:
-    """``collective_rpc``'s answers of a worker-extension method, or WorkerError naming every
-    worker on which it failed."""
-    failed = [f"worker {i}: {r[WORKER_ERROR]}" for i, r in enumerate(results) if isinstance(r, dict) and WORKER_ERROR in r]
-    if failed:
-        raise WorkerError("; ".join(failed))
-    return list(results)
-
-
-def rank_endpoints(infos: Sequence[dict]) -> list[tuple[str, bytes]]:
-    """Every worker's (address, token) from ``collective_rpc("mxrefit_init")``, in worker order:
-    the ``engines`` argument of ``BroadcastSender``."""
-    return [(i["address"], bytes.fromhex(i["token"])) for i in worker_results(infos)]
-
-
-class RefitWorkerExtension:
-    """Mixed into vLLM's worker via ``worker_extension_cls``; call methods by name with
-    ``llm.collective_rpc("mxrefit_init", kwargs=...)`` etc. Plain data in and out. With several
-    workers (tensor parallel) a method that fails answers ``{WORKER_ERROR: why}`` on that worker
-    rather than raising (``worker_results`` raises it on the trainer's side)."""
-
-    @_answers_on_every_worker
-    def mxrefit_init(self, address: str | None = None, token_hex: str | None = None, experts: str = "per_expert",
-                     timeout_s: float = 120.0, tcp: bool = False, fp8_block: str = "fp8-block",
-                     allow_remote: bool = False, verify: bool | None = None) -> dict:
-        """Build the engine tables and open the control socket; returns its address and token (hex).
-        ``fp8_block``: the wire format for a block-FP8 engine; ``verify``: check the first refit
-        against vLLM's own loader (default: with ``MXREFIT_VERIFY=1`` or on an untested vLLM;
-        ``VllmEngine``).
-
-        Every worker answers (``collective_rpc`` returns one dict per worker, with its
-        ``tp_rank``/``tp_size``). ``address`` may hold ``{ip}`` and ``{rank}`` (``worker_address``);
-        a worker on another node than the trainer binds e.g. ``"tcp://{ip}:*"`` with ``allow_remote=True``.
-        """
-        if getattr(self, "_mxrefit", None) is not None:
-            self._mxrefit.close()
-        token = bytes.fromhex(token_hex) if token_hex else None
-        self._mxrefit = _WorkerRefit(self, address=address, token=token, experts=experts, timeout_s=timeout_s, tcp=tcp,
-                                     fp8_block=fp8_block, allow_remote=allow_remote, verify=verify)
-        return self._mxrefit.info()
-
-    @_answers_on_every_worker
-    def mxrefit_receive(self, refits: int | None = 1) -> dict:
-        """Serve the trainer until ``refits`` refits ended (committed, aborted or failed), or with
-        ``refits=None`` until the trainer says "shutdown" (``refit_while(..., until_shutdown=True)``)."""
-        return self._require().receive(refits)
-
-    @_answers_on_every_worker
-    def mxrefit_status(self) -> dict:
-        return self._require().info()
-
-    @_answers_on_every_worker
-    def mxrefit_kernel_state(self, names: list[str] | None = None) -> dict:
-        """{param: {sha256, shape, dtype}} of the live model as its kernels read it."""
-        return self._require().engine.kernel_state(names)
-
-    @_answers_on_every_worker
-    def mxrefit_kernel_addresses(self) -> dict:
-        """{tensor: data_ptr} of everything the kernels read; equal before and after a refit."""
-        return self._require().engine.kernel_addresses()
-
-    @_answers_on_every_worker
-    def mxrefit_close(self) -> None:
-        if getattr(self, "_mxrefit", None) is not None:
-            self._mxrefit.close()
-            self._mxrefit = None
-
-    def _require(self) -> _WorkerRefit:
-        if getattr(self, "_mxrefit", None) is None:
-            raise RuntimeError("call collective_rpc('mxrefit_init') first")
-        return self._mxrefit
-
-
-# ---- vLLM's weight-transfer API -----------------------------------------------------------
-def _engine_classes():
-    """The backend classes, defined only when vLLM imports (keeps this module importable without it)."""
-    from vllm.distributed.weight_transfer.base import (
-        TrainerInitInfo,
-        TrainerWeightTransferEngine,
-        WeightTransferEngine,
-        WeightTransferInitInfo,
-        WeightTransferUpdateInfo,
-    )
-
-    @dataclass
-    class MxrefitInitInfo(WeightTransferInitInfo):
-        """Worker side: where to listen and the session token (hex); the trainer makes both."""
-
-        address: str
-        token_hex: str
-        experts: str = "per_expert"
-        timeout_s: float = 120.0
-        fp8_block: str = "fp8-block"
-
-    @dataclass
-    class MxrefitUpdateInfo(WeightTransferUpdateInfo):
-        """Nothing per round: the plan and buffers travel on mxrefit's own control channel."""
-
-    # unsubscripted: the generic parameters differ between vLLM versions (0.26's trainer engine
-    # takes [TConfig, TInitInfo], later ones [TTrainerInitInfo]) and nothing reads them at run time
-    class MxrefitWeightTransferEngine(WeightTransferEngine):
-        init_info_cls = MxrefitInitInfo
-        update_info_cls = MxrefitUpdateInfo
-        supports_draft_weight_update = False
-
-        def init_transfer_engine(self, init_info: MxrefitInitInfo) -> None:
-            from mxrefit.receiver import Receiver
-
-            self.shutdown()
-            if self.vllm_config.parallel_config.tensor_parallel_size > 1:
-                # refused by the last worker alone: vLLM 0.32 reads the workers' answers in order and
-                # stops at the first failure (see _answers_on_every_worker), so every answer is read
-                from vllm.distributed.parallel_state import get_world_group
-
-                world = get_world_group()
-                if world.rank_in_group == world.world_size - 1:
-                    raise VllmSetupError(
-                        "the 'mxrefit' weight-transfer backend serves one worker at the one address the trainer "
-                        "chose; with tensor parallel size > 1 use the worker extension (RefitWorkerExtension: "
-                        "mxrefit_init on every worker) and mxrefit.broadcast.BroadcastSender")
-                return
-            engine = VllmEngine(self.model, self.vllm_config, self.device, experts=init_info.experts,
-                                fp8_block=init_info.fp8_block)
-            self.receiver = Receiver(engine, address=init_info.address, token=bytes.fromhex(init_info.token_hex),
-                                     timeout_s=init_info.timeout_s)
-
-        def start_weight_update(self) -> None:
-            if getattr(self, "receiver", None) is None:
-                raise RuntimeError("init_weight_transfer_engine must run before start_weight_update")
-
-        def receive_weights(self, update_info: MxrefitUpdateInfo) -> None:
-            with torch.no_grad():
-                self.receiver.serve(refits=1)
-
-        def finish_weight_update(self) -> None:
-            status = self.receiver.status()
-            if status["state"] != "ready":
-                raise RuntimeError(f"mxrefit refit did not complete: engine holds version {status['version']}, "
-                                   f"state {status['state']}: {status['error']}")
-
-        def shutdown(self) -> None:
-            receiver = getattr(self, "receiver", None)
-            if receiver is not None:
-                receiver.close()
-                receiver.engine.pool.release()
-                self.receiver = None
-
-        @staticmethod
-        def trainer_send_weights(iterator, trainer_args) -> None:
-            """Declared abstract by vLLM 0.26/0.27's worker engine; mxrefit's trainer side is
-            ``MxrefitTrainerEngine``."""
-            raise NotImplementedError("mxrefit sends through MxrefitTrainerEngine.trainer_init(...).send_weights()")
-
-    @dataclass
-    class MxrefitTrainerInitInfo(TrainerInitInfo):
-        """Trainer side: the device the trainer's tensors live on, bucket size, expert layout,
-        and the wire format for a block-FP8 engine (``VllmEngine``'s ``fp8_block``)."""
-
-        backend: ClassVar[str] = BACKEND
-        device: str = "cpu"
-        bucket_bytes: int = 512 << 20
-        experts: str = "per_expert"
-        timeout_s: float = 120.0
-        fp8_block: str = "fp8-block"
-
-    class MxrefitTrainerEngine(TrainerWeightTransferEngine):
-        """Plans once from the source's metadata, then each ``send_weights`` streams the source
-        (one tensor materialized at a time) while the workers serve ``update_weights``."""
-
-        init_info_cls = MxrefitTrainerInitInfo
-
-        @classmethod
-        def trainer_init(cls, init_info, *, client, source=None, config=None):
-            """``config``: the ``WeightTransferConfig`` vLLM 0.26's factory passes (later ones pass none)."""
-            from mxrefit.plan import SourceSpec
-            from mxrefit.sender import Sender
-            from mxrefit.transport.control import new_token, private_ipc_address
-
-            if source is None:
-                raise ValueError("the mxrefit backend needs a WeightSource")
-            engine = cls(client=client, source=source, **trainer_engine_kwargs(
-                TrainerWeightTransferEngine, config=config, is_sender=init_info.is_sender, rank=init_info.rank))
-            engine.sender = None
-            if engine.is_sender:
-                address, token = private_ipc_address(), new_token()
-                client.init_weight_transfer_engine({"address": address, "token_hex": token.hex(),
-                                                    "experts": init_info.experts, "timeout_s": init_info.timeout_s,
-                                                    "fp8_block": init_info.fp8_block})
-                engine.sender = Sender(address, token, device=init_info.device, bucket_bytes=init_info.bucket_bytes,
-                                       timeout_s=init_info.timeout_s)
-                engine.specs = [SourceSpec(m.name, tuple(m.shape), m.dtype) for m in source_metadata(source)]
-            return engine
-
-        def send_weights(self) -> None:
-            if not self.is_sender:
-                for _ in source_tensors(self.source):  # non-senders still run the source's collectives
-                    pass
-                return
-            self.client.start_weight_update()
-            self.last_report = refit_while(lambda: self.client.update_weights({}), self.sender,
-                                           source_tensors(self.source), specs=self.specs)
-            self.client.finish_weight_update()
-
-        def shutdown(self) -> None:
-            if getattr(self, "sender", None) is not None:
-                self.sender.close()
-
-    return MxrefitWeightTransferEngine, MxrefitTrainerEngine
-
-
-def refit_while(serve, sender, tensors, *, specs=None, until_shutdown: bool = False):
-    """Run ``sender.refit(tensors)`` while ``serve()`` — a blocking call that makes the engine
-    serve, e.g. ``llm.collective_rpc("mxrefit_receive")`` — runs in a thread.
-
-    ``sender`` is a ``Sender`` or a ``BroadcastSender`` (anything with ``refit``, ``plan``,
-    ``plan_``, ``client`` and ``timeout_s``). The engine answers only while it serves, so a
-    first refit plans here too (from ``specs``, required for a stream). Returns the
-    RefitReport; re-raises the first error of either side (a ``WorkerError`` when ``serve()``
-    returned the answers of workers that failed, see ``worker_results``).
-
-    How the serve ends:
-    - ``until_shutdown=False``: ``serve()`` serves one refit (``mxrefit_receive``'s default),
-      which ends it; a refit refused before it began (plan mismatch, NaN/Inf) is ended here
-      with a "shutdown", so the worker is free for the next RPC.
-    - ``until_shutdown=True``: ``serve()`` serves until the trainer says "shutdown"
-      (``collective_rpc("mxrefit_receive", kwargs={"refits": None})``), and this sends it after
-      every refit, complete or failed. Required for a ``BroadcastSender``: after a failure it
-      tells every rank to abort and reads each rank's state, which a rank whose one-refit serve
-      already ended could not answer.
-    """
-    from mxrefit.broadcast import BroadcastSender
-
-    if isinstance(sender, BroadcastSender) and not until_shutdown:
-        raise ValueError("a BroadcastSender needs the engine ranks to keep serving after a failed refit: pass "
-                         "until_shutdown=True and serve with mxrefit_receive(refits=None)")
-    errors: list[BaseException] = []
-    result: list[Any] = []
-
-    def run():
-        try:
-            result.append(serve())
-        except BaseException as err:  # noqa: BLE001 - handed to the caller
-            errors.append(err)
-
-    def end_serve(step: str) -> None:
-        try:
-            sender.client.request({"op": "shutdown"}, 10.0, step=step)
-        except Exception:  # noqa: BLE001 - the trainer's own error (or the serve's) is the one to report
-            pass
-
-    thread = threading.Thread(target=run, name="mxrefit-serve", daemon=True)
-    thread.start()
-    try:
-        if sender.plan_ is None and specs is not None:
-            sender.plan(specs)
-        report = sender.refit(tensors)
-    except BaseException:
-        # with one-refit serves: refused before "begin" (plan mismatch, NaN/Inf), the engine
-        # still serves; end that serve so the worker is free for the next RPC
-        if until_shutdown or thread.is_alive():
-            end_serve("ending the engine's serve after a refused refit")
-        raise
-    else:
-        if until_shutdown:
-            end_serve("ending the engine's serve after the refit")
-    finally:
-        thread.join(sender.timeout_s + 30)
-    if errors:
-        raise errors[0]
-    if thread.is_alive():
-        raise RuntimeError("the engine did not return from serving the refit")
-    if result and isinstance(result[0], (list, tuple)):
-        worker_results(result[0])
-    return report
-
-
-class LLMClient:
-    """vLLM's ``VLLMWeightSyncClient`` protocol over an in-process ``vllm.LLM``."""
-
-    def __init__(self, llm: Any):
-        self.llm = llm
-
-    def init_weight_transfer_engine(self, init_info: dict) -> None:
-        self.llm.init_weight_transfer_engine({"init_info": init_info})
-
-    def start_weight_update(self) -> None:
-        self.llm.start_weight_update()
-
-    def update_weights(self, update_info: dict) -> None:
-        self.llm.update_weights({"update_info": update_info})
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        finish_weight_update(self.llm, weight_version)
-
-
-def _register_cpu_mxfp8_emulation() -> None:
-    """vLLM 0.32's CPU build registers no MXFP8 linear kernel; its emulation kernel works there."""
-    from vllm.platforms import PlatformEnum, current_platform
-
-    if not current_platform.is_cpu():
-        return
-    from vllm.model_executor.kernels.linear import _POSSIBLE_MXFP8_KERNELS, register_linear_kernel
-    from vllm.model_executor.kernels.linear.mxfp8.emulation import EmulationMxfp8LinearKernel
-
-    if EmulationMxfp8LinearKernel not in _POSSIBLE_MXFP8_KERNELS.get(PlatformEnum.CPU, []):
-        register_linear_kernel(EmulationMxfp8LinearKernel, PlatformEnum.CPU, "mxfp8")
-
-
-def _prepare_cpu_amx() -> None:
-    """Only vLLM's CPU build runs AMX tile kernels; GPU builds leave the CPU's state alone."""
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu():
-        ensure_amx_usable()
-
-
-_REGISTERED = False
-
-
-def register() -> None:
-    """The ``vllm.general_plugins`` entry point: the "mxrefit" weight-transfer backend (worker and
-    trainer factories) and, on CPU, the MXFP8 emulation linear kernel and AMX tile permission
-    (``vllm_cpu_amx``: without it vLLM's CPU workers die with SIGILL on AMX hosts). Idempotent.
-
-    vLLM calls general plugins without a guard in every one of its processes, so this never
-    raises: on a vLLM whose interfaces it cannot serve (older, newer, broken) it logs one
-    warning, leaves nothing registered, and vLLM starts as if mxrefit were not installed.
-    """
-    global _REGISTERED
-    if _REGISTERED:
-        return
-    _REGISTERED = True
-    added = []
-    try:
-        _prepare_cpu_amx()
-        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
-
-        worker_cls, trainer_cls = _engine_classes()
-        _check_backend_classes(worker_cls, trainer_cls)
-        for factory, cls in ((WeightTransferEngineFactory, worker_cls), (WeightTransferTrainerFactory, trainer_cls)):
-            if BACKEND not in factory._registry:
-                factory.register_engine(BACKEND, cls)
-                added.append(factory)
-        _register_cpu_mxfp8_emulation()
-    except Exception as err:  # noqa: BLE001 - a plugin must never stop vLLM from starting
-        for factory in added:
-            factory._registry.pop(BACKEND, None)
-        log.warning("mxrefit: not registered with this vLLM (%s), which runs without mxrefit's 'mxrefit' weight-"
-                    "transfer backend: %s: %s", _version_or_broken(), type(err).__name__, err)
-        return
-    globals()["MxrefitWeightTransferEngine"] = worker_cls
-    globals()["MxrefitTrainerEngine"] = trainer_cls
-
-
-def _check_backend_classes(worker_cls: type, trainer_cls: type) -> None:
-    """Both backend classes can be built on this vLLM, before anything is registered."""
-    from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine
-
-    for cls in (worker_cls, trainer_cls):
-        left = unimplemented_abstract_methods(cls)
-        if left:
-            raise VllmSetupError(f"vLLM {vllm_version()}'s {cls.__mro__[1].__name__} declares {left}, which "
-                                 f"mxrefit does not implement")
-    trainer_engine_kwargs(TrainerWeightTransferEngine, config=None, is_sender=True, rank=0)
-
-
-def _version_or_broken() -> str:
-    try:
-        return f"vLLM {vllm_version()}"
-    except Exception as err:  # noqa: BLE001 - named in the warning
-        return f"vLLM does not import: {type(err).__name__}: {err}"
-
-
-if importlib.util.find_spec("vllm") is not None:  # without vLLM the module still imports (docs, type checks)
-    register()

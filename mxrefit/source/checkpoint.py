@@ -29,8 +29,8 @@ from collections.abc import Callable
 
 import torch
 
-from mxrefit.eligibility import DEFAULT_RULES, FUSED, QuantRules, layer_count, layer_of
 from mxrefit.formats import fp8_block, mxfp8
+from mxrefit.plan.eligibility import DEFAULT_RULES, FUSED, QuantRules, layer_count, layer_of
 
 SCALE_SUFFIX = "_scale"
 FP8_BLOCK_SCALE_SUFFIX = "_scale_inv"

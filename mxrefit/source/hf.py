@@ -10,7 +10,7 @@ tensors.
 Names are the model's own. transformers 5 holds Qwen3-MoE's routed experts as grouped slabs
 (``mlp.experts.gate_up_proj [E, 2I, H]``, ``mlp.experts.down_proj [E, H, I]``), which mxrefit
 quantizes as they are (per expert along K). ``experts="per_expert"`` yields the checkpoint names
-instead (``mlp.experts.{e}.{gate,up,down}_proj.weight``, see ``mxrefit.shapes``) as views of the
+instead (``mlp.experts.{e}.{gate,up,down}_proj.weight``, see ``mxrefit.plan.shapes``) as views of the
 slab rows, without copying, for engines whose tables use those names.
 
 Parameters that share storage (tied embeddings, also when two names hold distinct ``Parameter``
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from mxrefit.plan import SourceSpec
+from mxrefit.plan.build import SourceSpec
 
 EXPERT_LAYOUTS = ("as_is", "per_expert")
 _GROUPED = re.compile(r"^(?P<base>.*\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)$")

@@ -19,12 +19,12 @@ import os
 
 import torch
 
-MOD = 65521
+from mxrefit.transport.protocol import BYTESUM_MOD as MOD
 
 
 def _triton_module():
     try:
-        from mxrefit import _bytesum_triton
+        from mxrefit.transport import _bytesum_triton
     except ImportError:
         return None
     return _bytesum_triton

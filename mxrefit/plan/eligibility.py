@@ -35,8 +35,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from fnmatch import fnmatch
 
-from mxrefit.engines.base import Destination
-from mxrefit.plan import PlanMismatch
+from mxrefit.plan.build import PlanMismatch
+from mxrefit.plan.types import Destination
 
 QUANT_FORMATS = {"MXFP8": "mxfp8"}
 DEFAULT_IGNORE = ("lm_head", "model.layers.*.mlp.gate")
