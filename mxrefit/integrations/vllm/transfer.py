@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from vllm.distributed.parallel_state import get_world_group
 from vllm.distributed.weight_transfer.base import (
     TrainerInitInfo,
     TrainerWeightTransferEngine,
@@ -57,6 +56,8 @@ class MxrefitWeightTransferEngine(WeightTransferEngine):
         if self.vllm_config.parallel_config.tensor_parallel_size > 1:
             # refused by the last worker alone: vLLM 0.32 reads the workers' answers in order and
             # stops at the first failure (see _answers_on_every_worker), so every answer is read
+            from vllm.distributed.parallel_state import get_world_group  # vLLM internals beyond the weight-transfer interface
+
             world = get_world_group()
             if world.rank_in_group == world.world_size - 1:
                 raise VllmSetupError(
