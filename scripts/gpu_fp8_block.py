@@ -127,7 +127,7 @@ def cases(seed: int, smoke: bool) -> dict:
 def parity(device: str, seed: int, smoke: bool) -> list[dict]:
     rows = []
     suite = cases(seed, smoke)
-    proven_in_ci = set() if smoke else set(adversarial_suite())  # tests/test_fp8_block.py checks those against the oracle
+    proven_in_ci = set() if smoke else set(adversarial_suite())  # tests/unit/test_fp8_block.py checks those against the oracle
     for name, (x, block) in suite.items():
         for ue8m0 in (False, True):
             want = _np(*fp8_block.quantize(x, block, use_ue8m0=ue8m0, backend="torch"))

