@@ -36,13 +36,32 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 QWEN3_30B = {
-    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
-    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
-    "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "intermediate_size": 6144,
-    "vocab_size": 151936, "tie_word_embeddings": False, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
-    "rope_theta": 1000000.0, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
-    "hidden_act": "silu", "attention_bias": False, "torch_dtype": "bfloat16", "bos_token_id": 151643,
-    "eos_token_id": 151645, "output_router_logits": False, "router_aux_loss_coef": 0.001,
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768,
+    "intermediate_size": 6144,
+    "vocab_size": 151936,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "norm_topk_prob": True,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "output_router_logits": False,
+    "router_aux_loss_coef": 0.001,
 }
 
 
@@ -127,8 +146,7 @@ def first_token_s(llm) -> float:
     from vllm import SamplingParams
 
     t0 = time.perf_counter()
-    llm.generate([{"prompt_token_ids": [1, 2, 3, 4, 5, 6, 7, 8]}], SamplingParams(max_tokens=1, temperature=0),
-                 use_tqdm=False)
+    llm.generate([{"prompt_token_ids": [1, 2, 3, 4, 5, 6, 7, 8]}], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
     return time.perf_counter() - t0
 
 
@@ -195,10 +213,20 @@ def run_format(args, fmt: str, weights: dict, result: dict, dump) -> None:
     from mxrefit.source.sender import Sender
 
     path = config_dir(os.path.join(args.work, fmt), fmt, args.layers)
-    kw = dict(model=path, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=512,
-              max_num_seqs=8, seed=0, gpu_memory_utilization=args.gpu_util, kv_cache_memory_bytes=2 << 30,
-              attention_config={"backend": "FLASH_ATTN"}, worker_extension_cls="mxrefit.integrations.vllm.worker.RefitWorkerExtension",
-              compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8]})
+    kw = dict(
+        model=path,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=512,
+        max_num_seqs=8,
+        seed=0,
+        gpu_memory_utilization=args.gpu_util,
+        kv_cache_memory_bytes=2 << 30,
+        attention_config={"backend": "FLASH_ATTN"},
+        worker_extension_cls="mxrefit.integrations.vllm.worker.RefitWorkerExtension",
+        compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8]},
+    )
     if args.own_refits:
         kw["weight_transfer_config"] = {"backend": "ipc"}
     if args.moe_backend:
@@ -226,16 +254,29 @@ def run_format(args, fmt: str, weights: dict, result: dict, dump) -> None:
                 r = refit_while(lambda: llm.collective_rpc("mxrefit_receive"), sender, weights)
             llm.reset_prefix_cache()
             ttft = first_token_s(llm)
-            row = {"total_ms": r.total_s * 1e3, "check_ms": r.check_s * 1e3, "pack_ms": r.pack_s * 1e3,
-                   "wait_ms": r.wait_s * 1e3, "engine_fetch_ms": r.engine_fetch_s * 1e3,
-                   "engine_apply_ms": r.engine_apply_s * 1e3, "engine_process_ms": r.engine_process_s * 1e3,
-                   "engine_after_refit_ms": r.engine_after_refit_s * 1e3, "bytes": r.bytes, "buckets": r.buckets,
-                   "transport": r.transport, "extra": r.extra, "peak_extra_device_gb": mem.extra_gb,
-                   "peak_extra_trainer_gb": mem.trainer_extra_gb, "device_gb_left_after": mem.after_gb,
-                   "first_token_after_s": ttft}
+            row = {
+                "total_ms": r.total_s * 1e3,
+                "check_ms": r.check_s * 1e3,
+                "pack_ms": r.pack_s * 1e3,
+                "wait_ms": r.wait_s * 1e3,
+                "engine_fetch_ms": r.engine_fetch_s * 1e3,
+                "engine_apply_ms": r.engine_apply_s * 1e3,
+                "engine_process_ms": r.engine_process_s * 1e3,
+                "engine_after_refit_ms": r.engine_after_refit_s * 1e3,
+                "bytes": r.bytes,
+                "buckets": r.buckets,
+                "transport": r.transport,
+                "extra": r.extra,
+                "peak_extra_device_gb": mem.extra_gb,
+                "peak_extra_trainer_gb": mem.trainer_extra_gb,
+                "device_gb_left_after": mem.after_gb,
+                "first_token_after_s": ttft,
+            }
             refits.append(row)
-            log(f"{fmt}: mxrefit {i + 1}: {row['total_ms']:.1f} ms (process {row['engine_process_ms']:.1f} ms, "
-                f"{r.bytes / 1e9:.2f} GB, {r.transport}), peak +{mem.extra_gb:.2f} GB, first token {ttft * 1e3:.1f} ms")
+            log(
+                f"{fmt}: mxrefit {i + 1}: {row['total_ms']:.1f} ms (process {row['engine_process_ms']:.1f} ms, "
+                f"{r.bytes / 1e9:.2f} GB, {r.transport}), peak +{mem.extra_gb:.2f} GB, first token {ttft * 1e3:.1f} ms"
+            )
         sender.close()
         llm.collective_rpc("mxrefit_close")
         res["mxrefit"] = refits
@@ -258,19 +299,28 @@ def run_format(args, fmt: str, weights: dict, result: dict, dump) -> None:
                     t1 = time.perf_counter()
                     with torch.no_grad():
                         IPCWeightTransferEngine.trainer_send_weights(
-                            checkpoint_stream(weights, fmt, stats), {"send_mode": send, "packed": True})
+                            checkpoint_stream(weights, fmt, stats), {"send_mode": send, "packed": True}
+                        )
                     t2 = time.perf_counter()
                     llm.finish_weight_update()
                     t3 = time.perf_counter()
                 llm.reset_prefix_cache()
                 ttft = first_token_s(llm)
-                row = {"total_ms": (t3 - t0) * 1e3, "start_ms": (t1 - t0) * 1e3, "send_and_load_ms": (t2 - t1) * 1e3,
-                       "trainer_quantize_ms": stats["quantize_s"] * 1e3, "finish_ms": (t3 - t2) * 1e3,
-                       "peak_extra_device_gb": mem.extra_gb, "peak_extra_trainer_gb": mem.trainer_extra_gb,
-                       "first_token_after_s": ttft}
+                row = {
+                    "total_ms": (t3 - t0) * 1e3,
+                    "start_ms": (t1 - t0) * 1e3,
+                    "send_and_load_ms": (t2 - t1) * 1e3,
+                    "trainer_quantize_ms": stats["quantize_s"] * 1e3,
+                    "finish_ms": (t3 - t2) * 1e3,
+                    "peak_extra_device_gb": mem.extra_gb,
+                    "peak_extra_trainer_gb": mem.trainer_extra_gb,
+                    "first_token_after_s": ttft,
+                }
                 own.append(row)
-                log(f"{fmt}: vLLM IPC {i + 1}: {row['total_ms']:.1f} ms (send+load {row['send_and_load_ms']:.1f}, "
-                    f"finish {row['finish_ms']:.1f}), peak +{mem.extra_gb:.2f} GB, first token {ttft * 1e3:.1f} ms")
+                log(
+                    f"{fmt}: vLLM IPC {i + 1}: {row['total_ms']:.1f} ms (send+load {row['send_and_load_ms']:.1f}, "
+                    f"finish {row['finish_ms']:.1f}), peak +{mem.extra_gb:.2f} GB, first token {ttft * 1e3:.1f} ms"
+                )
             res["vllm_ipc"] = own
             res["vllm_ipc_median_ms"] = statistics.median(r["total_ms"] for r in own)
             res["speedup"] = res["vllm_ipc_median_ms"] / res["mxrefit_median_ms"]
@@ -296,8 +346,12 @@ def main() -> int:
     p.add_argument("--bucket-mb", type=int, default=512)
     p.add_argument("--gpu-util", type=float, default=0.45)
     p.add_argument("--moe-backend", default=None)
-    p.add_argument("--max-batched-tokens", type=int, default=256,
-                   help="max_num_batched_tokens: vLLM's start-up warm-up forward runs this many tokens")
+    p.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=256,
+        help="max_num_batched_tokens: vLLM's start-up warm-up forward runs this many tokens",
+    )
     p.add_argument("--work", default="/tmp/mxrefit_headline")
     p.add_argument("--json", default="headline.json")
     args = p.parse_args()
@@ -328,8 +382,10 @@ def main() -> int:
         dump()
         r = result.get(fmt, {})
         if "mxrefit_median_ms" in r:
-            log(f"{fmt}: mxrefit {r['mxrefit_median_ms']:.1f} ms, vLLM IPC {r.get('vllm_ipc_median_ms', float('nan')):.1f} ms, "
-                f"speedup {r.get('speedup', float('nan')):.1f}x, floor {result['floor_ms'][fmt]:.1f} ms")
+            log(
+                f"{fmt}: mxrefit {r['mxrefit_median_ms']:.1f} ms, vLLM IPC {r.get('vllm_ipc_median_ms', float('nan')):.1f} ms, "
+                f"speedup {r.get('speedup', float('nan')):.1f}x, floor {result['floor_ms'][fmt]:.1f} ms"
+            )
     dump()
     return 0
 

@@ -89,8 +89,17 @@ class Receiver:
     rank on another node than its trainer needs ``address="tcp://<host>:<port>"`` with
     ``allow_remote=True`` (the token then crosses that network in clear)."""
 
-    def __init__(self, engine: Engine, *, address: str | None = None, token: bytes | None = None, tcp: bool = False,
-                 timeout_s: float = 60.0, transactional: bool = False, allow_remote: bool = False):
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        address: str | None = None,
+        token: bytes | None = None,
+        tcp: bool = False,
+        timeout_s: float = 60.0,
+        transactional: bool = False,
+        allow_remote: bool = False,
+    ):
         self.engine = engine
         self.transactional = transactional
         self.timeout_s = timeout_s
@@ -176,8 +185,13 @@ class Receiver:
         check_request(msg)
         if op == Op.HELLO:
             exportable = bool(self.engine.exportable) and not self._shards  # direct writes are whole tensors
-            return {"op": Op.TABLES, **tables_to_msg(self._params, self._destinations), **self.status(),
-                    "exportable": exportable, "device": self.engine.device.type}
+            return {
+                "op": Op.TABLES,
+                **tables_to_msg(self._params, self._destinations),
+                **self.status(),
+                "exportable": exportable,
+                "device": self.engine.device.type,
+            }
         if op == Op.PLAN:
             return self._adopt_plan(msg)
         if op == Op.STATUS:
@@ -197,7 +211,9 @@ class Receiver:
         slots = check_int(msg["slots"], "slots", 1, MAX_BUFFERS)
         plan = build_plan(sources, self._params, self._destinations, bucket_bytes=bucket_bytes, slots=slots)
         if plan.digest != msg["digest"]:
-            raise ValueError(f"plan digest {str(msg['digest'])[:12]} from the trainer differs from the engine's {plan.digest[:12]}")
+            raise ValueError(
+                f"plan digest {str(msg['digest'])[:12]} from the trainer differs from the engine's {plan.digest[:12]}"
+            )
         transport = msg.get("transport", "buffers")
         if transport not in ("buffers", "direct"):
             raise ValueError(f"unknown transport {transport!r:.40}; expected 'buffers' or 'direct'")
@@ -207,8 +223,9 @@ class Receiver:
         if plan_id is not None and not (isinstance(plan_id, str) and 0 < len(plan_id) <= 64):
             raise ValueError(f"plan_id must be a short string, got {plan_id!r:.40}")
         if transport == "direct" and self._shards:
-            raise ValueError("this engine rank holds slices of some parameters; direct writes place whole "
-                             "tensors, so use buffers or broadcast")
+            raise ValueError(
+                "this engine rank holds slices of some parameters; direct writes place whole tensors, so use buffers or broadcast"
+            )
         opened = None
         if transport == "buffers":  # waits (a broadcast rendezvous) are bounded by this engine's timeout, not the message's
             opened = open_buffers(msg["buffers"], self.engine.device, max_wait_s=self.timeout_s)
@@ -222,24 +239,37 @@ class Receiver:
         self._buffers = opened
         self.engine.prepare(plan)
         storage = {name: self.engine.storage(name) for name in self._params}
-        wrong = [f"{n!r}: {t.numel()} bytes, expected {local_nbytes(self._params[n], self._shards.get(n))}"
-                 for n, t in storage.items() if t.numel() != local_nbytes(self._params[n], self._shards.get(n))]
+        wrong = [
+            f"{n!r}: {t.numel()} bytes, expected {local_nbytes(self._params[n], self._shards.get(n))}"
+            for n, t in storage.items()
+            if t.numel() != local_nbytes(self._params[n], self._shards.get(n))
+        ]
         if wrong:
             raise ValueError(f"engine storage does not match its tables: {'; '.join(wrong[:10])}")
         landing = self._shadow_of(storage) if self.transactional else storage
-        copies = [[(r, c) for r in b.runs for c in run_copies(r.offset, r.param_offset, r.nbytes, self._params[r.param],
-                                                               self._shards.get(r.param))] for b in plan.buckets]
+        copies = [
+            [
+                (r, c)
+                for r in b.runs
+                for c in run_copies(r.offset, r.param_offset, r.nbytes, self._params[r.param], self._shards.get(r.param))
+            ]
+            for b in plan.buckets
+        ]
         adoption = secrets.token_hex(16)
         reply: dict = {"op": Op.PLANNED, "digest": plan.digest, "adoption": adoption}
         if transport == "direct":
             reply["exports"] = export_tensors(landing)
             self._appliers = [_Applier(nbytes=sum(r.nbytes for r in b.runs)) for b in plan.buckets]
         else:
-            self._appliers = [_Applier.copies(cs, lambda r, c, b=b: strided(bufs[b.slot], c.src, c.src_pitch, c.rows, c.width), landing)
-                              for b, cs in zip(plan.buckets, copies)]
+            self._appliers = [
+                _Applier.copies(cs, lambda r, c, b=b: strided(bufs[b.slot], c.src, c.src_pitch, c.rows, c.width), landing)
+                for b, cs in zip(plan.buckets, copies)
+            ]
         if self.transactional:
-            self._commits = [_Applier.copies(cs, lambda r, c: strided(landing[r.param], c.dst, c.dst_pitch, c.rows, c.width), storage)
-                             for cs in copies]
+            self._commits = [
+                _Applier.copies(cs, lambda r, c: strided(landing[r.param], c.dst, c.dst_pitch, c.rows, c.width), storage)
+                for cs in copies
+            ]
         if msg.get("verify"):
             self._sums = [ByteSum(self._verified_views(b, landing)) for b in plan.buckets]
         self._plan, self._plan_id, self._adoption = plan, plan_id, adoption
@@ -280,10 +310,15 @@ class Receiver:
             problem = "no plan: the trainer must send a plan before the first refit"
         elif begin.get("digest") != self._plan.digest:
             problem = "the refit names a different plan than the engine holds"
-        elif (begin.get("plan_id") != self._plan_id  # the trainer's id for its plan, new at every plan()
-              or not isinstance(adoptions, list) or self._adoption not in adoptions):  # ours, new at every adoption
-            problem = ("the engine adopted another plan (and its buffers) since this trainer planned, e.g. from "
-                       "another trainer holding the token: plan again")
+        elif (
+            begin.get("plan_id") != self._plan_id  # the trainer's id for its plan, new at every plan()
+            or not isinstance(adoptions, list)
+            or self._adoption not in adoptions
+        ):  # ours, new at every adoption
+            problem = (
+                "the engine adopted another plan (and its buffers) since this trainer planned, e.g. from "
+                "another trainer holding the token: plan again"
+            )
         elif version <= self.version:
             problem = f"stale or duplicate version {version}: the engine already holds version {self.version}"
         if problem is None:
@@ -346,8 +381,10 @@ class Receiver:
                     stats.buckets += 1
                     expected += 1
                     if not self._reply({"op": Op.APPLIED, "bucket": expected - 1}):
-                        self._fail(f"refit to version {version}: the trainer at {self.address} disconnected after bucket "
-                                   f"{expected - 1} of {len(self._appliers)}")
+                        self._fail(
+                            f"refit to version {version}: the trainer at {self.address} disconnected after bucket "
+                            f"{expected - 1} of {len(self._appliers)}"
+                        )
                         return
                 elif op == Op.COMMIT and msg["version"] == version and expected == len(self._appliers):
                     t = time.perf_counter()
@@ -359,8 +396,16 @@ class Receiver:
                     self.version, self.state, self.last_error = version, "ready", None
                     stats.wall_s = time.perf_counter() - start
                     self.history.append(stats)
-                    self._reply({"op": Op.COMMITTED, **self.status(), "fetch_s": stats.fetch_s, "apply_s": stats.apply_s,
-                                      "process_s": stats.process_s, "after_refit_s": stats.after_refit_s})
+                    self._reply(
+                        {
+                            "op": Op.COMMITTED,
+                            **self.status(),
+                            "fetch_s": stats.fetch_s,
+                            "apply_s": stats.apply_s,
+                            "process_s": stats.process_s,
+                            "after_refit_s": stats.after_refit_s,
+                        }
+                    )
                     return
                 elif op == Op.ABORT:
                     self._fail(f"trainer aborted the refit to version {version}: {str(msg.get('why', ''))[:200]}")
@@ -395,9 +440,14 @@ class Receiver:
             return False
         except (TypeError, ValueError) as err:
             log.error("could not send the %r reply: %s", msg.get("op"), err)
-            return self._reply({"op": Op.ERROR, "kind": "engine", "problems": [text(f"the engine's {msg.get('op')!r} "
-                                                                                     f"reply could not be sent: {err}")],
-                                **self.status()})
+            return self._reply(
+                {
+                    "op": Op.ERROR,
+                    "kind": "engine",
+                    "problems": [text(f"the engine's {msg.get('op')!r} reply could not be sent: {err}")],
+                    **self.status(),
+                }
+            )
 
     def _fetch(self, bucket: int) -> None:
         """Bring the bucket's bytes into our slot where the transport moves them (broadcast)."""

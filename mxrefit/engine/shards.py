@@ -54,8 +54,10 @@ def _shard_problems(name: str, spec: ParamSpec, shard: Shard) -> list[str]:
         if not 0 <= start < stop <= extent:
             problems.append(f"shard of {name!r}: piece [{start}, {stop}) is outside dim {shard.dim} of size {extent}")
         elif at != covered:
-            problems.append(f"shard of {name!r}: the rank's indices along dim {shard.dim} must be covered once, in pieces; "
-                            f"index {covered} is {'written twice' if at < covered else 'never written'}")
+            problems.append(
+                f"shard of {name!r}: the rank's indices along dim {shard.dim} must be covered once, in pieces; "
+                f"index {covered} is {'written twice' if at < covered else 'never written'}"
+            )
         covered = at + stop - start
     if not problems and covered != shard.size:
         problems.append(f"shard of {name!r}: pieces cover {covered} of the rank's {shard.size} indices along dim {shard.dim}")
@@ -70,17 +72,23 @@ def _mxfp8_problems(dest: Destination, shards: Mapping[str, Shard], params: Mapp
         return []
     if sv is None or ss is None:
         held, whole = (values, scales) if ss is None else (scales, values)
-        return [f"tensor {dest.name!r}: this rank holds a slice of {held!r} but all of {whole!r}; "
-                f"MXFP8 values and scales must be sliced together"]
+        return [
+            f"tensor {dest.name!r}: this rank holds a slice of {held!r} but all of {whole!r}; "
+            f"MXFP8 values and scales must be sliced together"
+        ]
     ndim = len(params[values].shape)
     if sv.dim == ndim - 1 and any(e % BLOCK for p in sv.pieces for e in p):
         cols = ", ".join(f"[{a}, {b})" for a, b, _ in sv.pieces)
-        return [f"tensor {dest.name!r}: this rank takes columns {cols} of {values!r}; an MXFP8 column slice must "
-                f"start and end on multiples of {BLOCK} along K, since one scale byte covers {BLOCK} values"]
+        return [
+            f"tensor {dest.name!r}: this rank takes columns {cols} of {values!r}; an MXFP8 column slice must "
+            f"start and end on multiples of {BLOCK} along K, since one scale byte covers {BLOCK} values"
+        ]
     expected = mxfp8_scale_shard(sv, ndim)
     if ss != expected:
-        return [f"tensor {dest.name!r}: the rank's slice of {scales!r} ({ss}) does not match its slice of "
-                f"{values!r}; expected {expected}"]
+        return [
+            f"tensor {dest.name!r}: the rank's slice of {scales!r} ({ss}) does not match its slice of "
+            f"{values!r}; expected {expected}"
+        ]
     return []
 
 
@@ -102,8 +110,10 @@ def check_shards(params: Mapping[str, ParamSpec], destinations: Mapping[str, Des
             if dest.format == "mxfp8" and len(dest.targets) == 2:
                 problems += _mxfp8_problems(dest, shards, params)
             elif dest.format != "bf16" and any(t.param in shards for t in dest.targets):
-                problems.append(f"tensor {dest.name!r}: slices of format {dest.format!r} are not modelled (only "
-                                f"bf16 and mxfp8 weights can be held in slices)")
+                problems.append(
+                    f"tensor {dest.name!r}: slices of format {dest.format!r} are not modelled (only "
+                    f"bf16 and mxfp8 weights can be held in slices)"
+                )
     if problems:
         raise ValueError("engine shards refused:\n  " + "\n  ".join(problems))
 
@@ -127,8 +137,11 @@ def run_copies(src: int, param_offset: int, nbytes: int, spec: ParamSpec, shard:
             continue
         f_lo, f_hi = max(o_lo, -((c - a) // pitch)), min(o_hi, (e - c - w) // pitch)  # windows wholly inside
         if f_lo <= f_hi:
-            copies.append(_normalized(Copy(src + f_lo * pitch + c - a, pitch, f_lo * local_pitch + at * inner,
-                                           local_pitch, f_hi - f_lo + 1, w)))
+            copies.append(
+                _normalized(
+                    Copy(src + f_lo * pitch + c - a, pitch, f_lo * local_pitch + at * inner, local_pitch, f_hi - f_lo + 1, w)
+                )
+            )
         for o in sorted({o_lo, o_hi}):
             if f_lo <= o <= f_hi:
                 continue

@@ -19,8 +19,15 @@ from __future__ import annotations
 
 from mxrefit.plan.types import Shard
 
-_COLUMN = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight",
-           "embed_tokens.weight", "lm_head.weight")
+_COLUMN = (
+    "q_proj.weight",
+    "k_proj.weight",
+    "v_proj.weight",
+    "gate_proj.weight",
+    "up_proj.weight",
+    "embed_tokens.weight",
+    "lm_head.weight",
+)
 _ROW = ("o_proj.weight", "down_proj.weight")
 
 

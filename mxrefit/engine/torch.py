@@ -84,8 +84,10 @@ class TorchEngine(Engine):
         if quant is not None and quant not in HELD:
             raise ValueError(f"quant must be None or one of {sorted(HELD)}, got {quant!r}")
         if tp_size > 1 and quant not in (None, "mxfp8"):
-            raise ValueError(f"tensor-parallel slices of {quant} weights are not modelled (their scale tiles span "
-                             f"128 rows); use quant=None or 'mxfp8' with tp_size > 1")
+            raise ValueError(
+                f"tensor-parallel slices of {quant} weights are not modelled (their scale tiles span "
+                f"128 rows); use quant=None or 'mxfp8' with tp_size > 1"
+            )
         self.module = module
         self.quant = quant
         self.rules = rules
@@ -121,8 +123,10 @@ class TorchEngine(Engine):
             for target in dest.targets:
                 param_shard = shard if target.param == name else mxfp8_scale_shard(shard, len(target.shape))
                 whole = self._tensors[target.param]
-                local = torch.cat([whole.narrow(param_shard.dim, a, b - a) for a, b, _ in
-                                   sorted(param_shard.pieces, key=lambda p: p[2])], param_shard.dim)
+                local = torch.cat(
+                    [whole.narrow(param_shard.dim, a, b - a) for a, b, _ in sorted(param_shard.pieces, key=lambda p: p[2])],
+                    param_shard.dim,
+                )
                 self._replace(target.param, local.contiguous())
                 self._shards[target.param] = param_shard
 
@@ -143,8 +147,9 @@ class TorchEngine(Engine):
             with torch.no_grad():
                 values, scales = held.quantize(param.data, name)
         except ValueError as err:
-            raise ValueError(f"{err}; the rules quantize its layer {layer_of(name)!r}: add it to QuantRules.ignore "
-                             f"to keep it BF16") from None
+            raise ValueError(
+                f"{err}; the rules quantize its layer {layer_of(name)!r}: add it to QuantRules.ignore to keep it BF16"
+            ) from None
         delattr(owner, attr)
         owner.register_buffer(attr, values)
         owner.register_buffer(f"{attr}{held.scale_suffix}", scales)

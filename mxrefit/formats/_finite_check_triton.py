@@ -23,9 +23,19 @@ def supported(device: torch.device) -> bool:
 
 
 @triton.jit
-def _scan_kernel(prog_tensor, prog_start, numel_of, src_addr, caller_index, flag,
-                 EXP_MASK: tl.constexpr, WORD_BITS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                 ALIGNED: tl.constexpr):
+def _scan_kernel(
+    prog_tensor,
+    prog_start,
+    numel_of,
+    src_addr,
+    caller_index,
+    flag,
+    EXP_MASK: tl.constexpr,
+    WORD_BITS: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
     pid = tl.program_id(0)
     t = tl.load(prog_tensor + pid)
     start = tl.multiple_of(tl.load(prog_start + pid).to(tl.int64), CHUNK)
@@ -91,7 +101,16 @@ class ScanGroup:
         if self.programs == 0:
             return
         _scan_kernel[(self.programs,)](
-            self.prog_tensor, self.prog_start, self.numel_of, self.src_addr, self.caller_index, flag,
-            EXP_MASK=_EXP_MASK[self.dtype], WORD_BITS=self.dtype.itemsize * 8, CHUNK=CHUNK, BLOCK=self.block,
-            ALIGNED=self._aligned, num_warps=4,
+            self.prog_tensor,
+            self.prog_start,
+            self.numel_of,
+            self.src_addr,
+            self.caller_index,
+            flag,
+            EXP_MASK=_EXP_MASK[self.dtype],
+            WORD_BITS=self.dtype.itemsize * 8,
+            CHUNK=CHUNK,
+            BLOCK=self.block,
+            ALIGNED=self._aligned,
+            num_warps=4,
         )

@@ -45,4 +45,3 @@ def flat_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def on_stream(stream: "torch.cuda.Stream | None"):
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-

@@ -96,7 +96,10 @@ def _check(sources: list[SourceSpec], params: dict[str, ParamSpec], destinations
     counts = Counter(s.name for s in sources)
     problems += [f"duplicate trainer tensor {n!r} ({c} times)" for n, c in counts.items() if c > 1]
     problems += [f"unexpected tensor {n!r}: the engine has no destination for it" for n in sorted(names - destinations.keys())]
-    problems += [f"missing tensor {n!r}: the engine expects it and the trainer did not send it" for n in sorted(destinations.keys() - names)]
+    problems += [
+        f"missing tensor {n!r}: the engine expects it and the trainer did not send it"
+        for n in sorted(destinations.keys() - names)
+    ]
     hint = _expert_layout_hint(names - destinations.keys(), destinations.keys() - names)
     if hint:
         problems.insert(0, hint)
@@ -112,7 +115,9 @@ def _check(sources: list[SourceSpec], params: dict[str, ParamSpec], destinations
             continue
         want = fmt.parts(src.shape, dest.targets[0].dtype)
         if len(want) != len(dest.targets):
-            problems.append(f"tensor {src.name!r}: format {dest.format} has {len(want)} parts, the engine gives {len(dest.targets)} targets")
+            problems.append(
+                f"tensor {src.name!r}: format {dest.format} has {len(want)} parts, the engine gives {len(dest.targets)} targets"
+            )
             continue
         for spec, tgt in zip(want, dest.targets):
             if tuple(spec.shape) != tuple(tgt.shape) or spec.dtype != tgt.dtype:
@@ -125,7 +130,9 @@ def _check(sources: list[SourceSpec], params: dict[str, ParamSpec], destinations
                 problems.append(f"tensor {src.name!r}: target parameter {tgt.param!r} does not exist in the engine")
                 break
             if tgt.offset < 0 or tgt.offset + tgt.nbytes > params[tgt.param].nbytes:
-                problems.append(f"tensor {src.name!r}: target bytes [{tgt.offset}, {tgt.offset + tgt.nbytes}) outside {tgt.param!r}")
+                problems.append(
+                    f"tensor {src.name!r}: target bytes [{tgt.offset}, {tgt.offset + tgt.nbytes}) outside {tgt.param!r}"
+                )
                 break
     if problems:
         raise PlanMismatch(problems)
@@ -136,11 +143,15 @@ def _expert_layout_hint(unexpected: set[str], missing: set[str]) -> str | None:
     grouped = lambda names: any(n.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")) for n in names)  # noqa: E731
     per_expert = lambda names: any(".mlp.experts." in n and n.endswith("_proj.weight") for n in names)  # noqa: E731
     if grouped(unexpected) and per_expert(missing):
-        return ("expert layout: the trainer sends grouped expert slabs (mlp.experts.gate_up_proj/down_proj) but the "
-                "engine expects per-expert names; build the engine with experts='grouped'")
+        return (
+            "expert layout: the trainer sends grouped expert slabs (mlp.experts.gate_up_proj/down_proj) but the "
+            "engine expects per-expert names; build the engine with experts='grouped'"
+        )
     if per_expert(unexpected) and grouped(missing):
-        return ("expert layout: the trainer sends per-expert names (mlp.experts.{e}.*_proj.weight) but the engine "
-                "expects grouped slabs; build the engine with experts='per_expert'")
+        return (
+            "expert layout: the trainer sends per-expert names (mlp.experts.{e}.*_proj.weight) but the engine "
+            "expects grouped slabs; build the engine with experts='per_expert'"
+        )
     return None
 
 

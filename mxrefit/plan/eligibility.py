@@ -99,11 +99,7 @@ def layer_excluded(layer: str, patterns: Iterable[str]) -> bool:
     pats = _expand(patterns)
     if not pats:
         return False
-    return (
-        _exact(layer, pats)
-        or any(p != layer and p in layer for p in pats)
-        or any(fnmatch(layer, p) for p in pats)
-    )
+    return _exact(layer, pats) or any(p != layer and p in layer for p in pats) or any(fnmatch(layer, p) for p in pats)
 
 
 def _quantizable_kind(name: str, shape: tuple[int, ...]) -> bool:
@@ -136,8 +132,10 @@ class QuantRules:
         """ModelOpt ``exclude_modules``: ``ignore`` plus one ``model.layers.{i}.*`` per BF16 layer."""
         if (self.bf16_first_layers or self.bf16_last_layers) and num_layers <= 0:
             raise ValueError("bf16_first_layers/bf16_last_layers need the layer count; no 'layers.{i}.' tensor names were given")
-        kept = sorted(set(range(min(self.bf16_first_layers, num_layers)))
-                      | set(range(max(num_layers - self.bf16_last_layers, 0), num_layers)))
+        kept = sorted(
+            set(range(min(self.bf16_first_layers, num_layers)))
+            | set(range(max(num_layers - self.bf16_last_layers, 0), num_layers))
+        )
         return list(self.ignore) + [f"{LAYERS_PREFIX}.{i}.*" for i in kept]
 
     def excludes_layer(self, layer: str, num_layers: int) -> bool:
@@ -157,8 +155,11 @@ class QuantRules:
         """The ``hf_quant_config.json`` vLLM reads for these rules (ModelOpt's legacy layout)."""
         return {
             "producer": {"name": "mxrefit"},
-            "quantization": {"quant_algo": self.quant_algo, "kv_cache_quant_algo": None,
-                             "exclude_modules": self.exclude_modules(num_layers)},
+            "quantization": {
+                "quant_algo": self.quant_algo,
+                "kv_cache_quant_algo": None,
+                "exclude_modules": self.exclude_modules(num_layers),
+            },
         }
 
     @classmethod
@@ -205,8 +206,7 @@ def check_rules(rules: QuantRules, destinations: Mapping[str, Destination]) -> N
         if (dest.format != "bf16") != decided[name]:
             want = "quantize it" if decided[name] else "keep it bf16"
             problems.append(
-                f"tensor {name!r} (layer {layer_of(name)!r}): the trainer's rules {want}, "
-                f"the engine holds it as {dest.format}"
+                f"tensor {name!r} (layer {layer_of(name)!r}): the trainer's rules {want}, the engine holds it as {dest.format}"
             )
     if problems:
         raise PlanMismatch(problems)

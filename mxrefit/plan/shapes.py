@@ -130,14 +130,45 @@ _QWEN3_VOCAB = 151936
 BUILTIN: dict[str, ModelShape] = {
     s.name: s
     for s in (
-        ModelShape("tiny-qwen3-moe", hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, vocab=4096,
-                   intermediate=0, experts=8, moe_intermediate=128),
-        ModelShape("qwen3-30b-a3b", hidden=2048, layers=48, heads=32, kv_heads=4, head_dim=128, vocab=_QWEN3_VOCAB,
-                   intermediate=0, experts=128, moe_intermediate=768),
-        ModelShape("qwen3-32b", hidden=5120, layers=64, heads=64, kv_heads=8, head_dim=128, vocab=_QWEN3_VOCAB,
-                   intermediate=25600),
-        ModelShape("qwen3-235b-a22b", hidden=4096, layers=94, heads=64, kv_heads=4, head_dim=128, vocab=_QWEN3_VOCAB,
-                   intermediate=0, experts=128, moe_intermediate=1536),
+        ModelShape(
+            "tiny-qwen3-moe",
+            hidden=256,
+            layers=4,
+            heads=4,
+            kv_heads=2,
+            head_dim=64,
+            vocab=4096,
+            intermediate=0,
+            experts=8,
+            moe_intermediate=128,
+        ),
+        ModelShape(
+            "qwen3-30b-a3b",
+            hidden=2048,
+            layers=48,
+            heads=32,
+            kv_heads=4,
+            head_dim=128,
+            vocab=_QWEN3_VOCAB,
+            intermediate=0,
+            experts=128,
+            moe_intermediate=768,
+        ),
+        ModelShape(
+            "qwen3-32b", hidden=5120, layers=64, heads=64, kv_heads=8, head_dim=128, vocab=_QWEN3_VOCAB, intermediate=25600
+        ),
+        ModelShape(
+            "qwen3-235b-a22b",
+            hidden=4096,
+            layers=94,
+            heads=64,
+            kv_heads=4,
+            head_dim=128,
+            vocab=_QWEN3_VOCAB,
+            intermediate=0,
+            experts=128,
+            moe_intermediate=1536,
+        ),
         # One GPU's share of Qwen3-235B-A22B served at TP=8 with expert parallelism over the same
         # 8 GPUs (vLLM's --enable-expert-parallel: EP size = TP size = 8, experts not TP-sliced):
         # - attention: 64/8 = 8 query heads (q_proj rows 1024, o_proj columns 1024); the 4 KV heads
@@ -147,9 +178,20 @@ BUILTIN: dict[str, ModelShape] = {
         # - router mlp.gate.weight: replicated, all 128 rows (router_experts = 16 * ep_share);
         # - embed_tokens / lm_head: vocab-parallel, 151936/8 = 18992 rows each;
         # - norms (hidden 4096, q/k norm 128): replicated. The model has no dense MLP layers.
-        ModelShape("qwen3-235b-a22b-ep8", hidden=4096, layers=94, heads=8, kv_heads=1, head_dim=128,
-                   vocab=_QWEN3_VOCAB // 8, intermediate=0, experts=16, moe_intermediate=1536,
-                   tp_share=8, ep_share=8),
+        ModelShape(
+            "qwen3-235b-a22b-ep8",
+            hidden=4096,
+            layers=94,
+            heads=8,
+            kv_heads=1,
+            head_dim=128,
+            vocab=_QWEN3_VOCAB // 8,
+            intermediate=0,
+            experts=16,
+            moe_intermediate=1536,
+            tp_share=8,
+            ep_share=8,
+        ),
     )
 }
 

@@ -35,8 +35,9 @@ from mxrefit.transport.protocol import Op
 
 def _rank_summary(status: dict) -> str:
     ranks = status.get("ranks") or []
-    return "; ".join(f"{r['name']}: " + ("lost" if r["state"] == "lost" else f"version {r['version']} {r['state']}")
-                     for r in ranks)
+    return "; ".join(
+        f"{r['name']}: " + ("lost" if r["state"] == "lost" else f"version {r['version']} {r['state']}") for r in ranks
+    )
 
 
 class BroadcastSender(Sender):
@@ -68,8 +69,17 @@ class BroadcastSender(Sender):
         rules: QuantRules | None = None,
     ):
         self._engines = list(engines)
-        super().__init__(", ".join(a for a, _ in self._engines), b"", device=device, bucket_bytes=bucket_bytes,
-                         slots=slots, timeout_s=timeout_s, check_finite=check_finite, verify=verify, rules=rules)
+        super().__init__(
+            ", ".join(a for a, _ in self._engines),
+            b"",
+            device=device,
+            bucket_bytes=bucket_bytes,
+            slots=slots,
+            timeout_s=timeout_s,
+            check_finite=check_finite,
+            verify=verify,
+            rules=rules,
+        )
         self.backend = backend or default_backend(self.device)
         self.rendezvous_timeout_s = rendezvous_timeout_s
         self._store_at = (host, port)
@@ -88,9 +98,16 @@ class BroadcastSender(Sender):
         self._close_data_path()
         if self._store is None:
             self._store = RendezvousStore(*self._store_at, timeout_s=self.rendezvous_timeout_s)
-        self.buffers = BroadcastBuffers(plan.slots, plan.bucket_bytes, self.device, store=self._store,
-                                        world_size=len(self._engines) + 1, backend=self.backend,
-                                        timeout_s=self.timeout_s, rendezvous_timeout_s=self.rendezvous_timeout_s)
+        self.buffers = BroadcastBuffers(
+            plan.slots,
+            plan.bucket_bytes,
+            self.device,
+            store=self._store,
+            world_size=len(self._engines) + 1,
+            backend=self.backend,
+            timeout_s=self.timeout_s,
+            rendezvous_timeout_s=self.rendezvous_timeout_s,
+        )
 
     def _send_plan(self, msg: dict) -> dict:
         fan = self.client
@@ -110,8 +127,10 @@ class BroadcastSender(Sender):
 
     def _require_every_rank(self) -> None:
         if self.client.lost:
-            raise RefitError(f"engine ranks lost ({self.client.describe_lost()}): restart them and call "
-                             "replace_engine(index, address, token)", self.status())
+            raise RefitError(
+                f"engine ranks lost ({self.client.describe_lost()}): restart them and call replace_engine(index, address, token)",
+                self.status(),
+            )
 
     def replace_engine(self, index: int, address: str, token: bytes) -> None:
         """Talk to rank ``index`` at a new address (a restarted engine); the next refit plans again."""
@@ -177,4 +196,3 @@ class BroadcastSender(Sender):
         fan.send({"op": Op.STATUS})
         replies = fan.gather(self.timeout_s, step="asking every rank for its status")
         return combined_status(replies, fan.lost, fan.names)
-

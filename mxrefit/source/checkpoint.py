@@ -49,8 +49,12 @@ def quant_block(exclude_modules: list[str]) -> dict:
 def fp8_block_config(ignored_layers: list[str]) -> dict:
     """The ``quantization_config`` vLLM's ``Fp8Config`` reads for 128x128 block FP8 (``from_config``:
     ``quant_method``, ``activation_scheme``, ``weight_block_size``, ``ignored_layers``)."""
-    return {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": list(fp8_block.BLOCK),
-            "ignored_layers": ignored_layers}
+    return {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(fp8_block.BLOCK),
+        "ignored_layers": ignored_layers,
+    }
 
 
 def fp8_ignored_layers(specs: list[tuple[str, tuple[int, ...]]], rules: QuantRules = DEFAULT_RULES) -> list[str]:
@@ -66,8 +70,9 @@ def fp8_ignored_layers(specs: list[tuple[str, tuple[int, ...]]], rules: QuantRul
     return list(out)
 
 
-def _write_quantized(model: torch.nn.Module, path: str, rules: QuantRules, fmt: str, quantize: Quantize,
-                     scale_suffix: str) -> tuple[dict[str, str], list[tuple[str, tuple[int, ...]]]]:
+def _write_quantized(
+    model: torch.nn.Module, path: str, rules: QuantRules, fmt: str, quantize: Quantize, scale_suffix: str
+) -> tuple[dict[str, str], list[tuple[str, tuple[int, ...]]]]:
     """Save ``model`` and rewrite its safetensors: every tensor ``rules`` quantize becomes values +
     ``<name><scale_suffix>``. Returns ({name: fmt | "bf16"}, every saved tensor's (name, shape))."""
     from safetensors import safe_open
@@ -124,8 +129,9 @@ def save_mxfp8_checkpoint(
     Returns {tensor name: "mxfp8" | "bf16"} for every weight written (checkpoint names).
     """
     path = os.fspath(path)
-    formats, specs = _write_quantized(model, path, rules, "mxfp8",
-                                      lambda t, name: mxfp8.quantize(t, name=name, backend="torch"), SCALE_SUFFIX)
+    formats, specs = _write_quantized(
+        model, path, rules, "mxfp8", lambda t, name: mxfp8.quantize(t, name=name, backend="torch"), SCALE_SUFFIX
+    )
     block = quant_block(rules.exclude_modules(layer_count(n for n, _ in specs)))
     _set_quantization_config(path, block)
     with open(os.path.join(path, "hf_quant_config.json"), "w") as f:
@@ -149,7 +155,12 @@ def save_fp8_block_checkpoint(
     path = os.fspath(path)
     fmt = "fp8-block-ue8m0" if use_ue8m0 else "fp8-block"
     formats, specs = _write_quantized(
-        model, path, rules, fmt, lambda t, name: fp8_block.quantize(t, name=name, use_ue8m0=use_ue8m0, backend="torch"),
-        FP8_BLOCK_SCALE_SUFFIX)
+        model,
+        path,
+        rules,
+        fmt,
+        lambda t, name: fp8_block.quantize(t, name=name, use_ue8m0=use_ue8m0, backend="torch"),
+        FP8_BLOCK_SCALE_SUFFIX,
+    )
     _set_quantization_config(path, fp8_block_config(fp8_ignored_layers(specs, rules)))
     return formats

@@ -85,8 +85,10 @@ class HFSource:
             return None
         owner = self.model.get_submodule(m["base"])
         if getattr(owner, "is_transposed", False):
-            raise ValueError(f"{name}: the experts of {m['base']!r} are stored transposed ([E, K, N]); "
-                             f"per-expert names are defined for the [E, N, K] layout only")
+            raise ValueError(
+                f"{name}: the experts of {m['base']!r} are stored transposed ([E, K, N]); "
+                f"per-expert names are defined for the [E, N, K] layout only"
+            )
         return m
 
     def specs(self) -> list[SourceSpec]:

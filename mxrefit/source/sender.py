@@ -139,8 +139,14 @@ class Sender:
     def _make_client(self, address: str, token: bytes) -> ControlClient:
         return ControlClient(address, token)
 
-    _ANSWERS = {Op.HELLO: (Op.TABLES,), Op.PLAN: (Op.PLANNED,), Op.BEGIN: (Op.BEGUN,), Op.COMMIT: (Op.COMMITTED,),
-                Op.STATUS: (Op.STATUS,), Op.SHUTDOWN: (Op.BYE,)}
+    _ANSWERS = {
+        Op.HELLO: (Op.TABLES,),
+        Op.PLAN: (Op.PLANNED,),
+        Op.BEGIN: (Op.BEGUN,),
+        Op.COMMIT: (Op.COMMITTED,),
+        Op.STATUS: (Op.STATUS,),
+        Op.SHUTDOWN: (Op.BYE,),
+    }
 
     def _request(self, msg: dict, step: str) -> dict:
         reply = self.client.request(msg, self.timeout_s, step=step)
@@ -206,8 +212,15 @@ class Sender:
         plan = build_plan(list(specs), params, destinations, bucket_bytes=self.bucket_bytes, slots=self.slots)
         transport = self._choose_transport()
         plan_id = secrets.token_hex(8)  # names this adoption: the engine refuses a begin from a trainer planned earlier
-        msg = {"op": Op.PLAN, "plan_id": plan_id, "sources": sources_to_msg(plan.sources), "bucket_bytes": plan.bucket_bytes,
-               "slots": plan.slots, "digest": plan.digest, "verify": self.verify}
+        msg = {
+            "op": Op.PLAN,
+            "plan_id": plan_id,
+            "sources": sources_to_msg(plan.sources),
+            "bucket_bytes": plan.bucket_bytes,
+            "slots": plan.slots,
+            "digest": plan.digest,
+            "verify": self.verify,
+        }
         self._close_data_path(keep_buffers=transport != "direct")
         if transport == "direct":
             msg["transport"] = "direct"
@@ -224,8 +237,9 @@ class Sender:
                 self.exports = open_exports(reply["exports"], self.device if self.device.type == "cuda" else None)
             except (ValueError, LookupError) as err:
                 if self.requested_transport is None:  # e.g. an engine of another user: its memory is not ours to write
-                    log.warning("engine at %s exported storage this trainer will not write (%s); using buffers",
-                                self.address, err)
+                    log.warning(
+                        "engine at %s exported storage this trainer will not write (%s); using buffers", self.address, err
+                    )
                     self._engine_info["exportable"] = False
                     return self.plan(plan.sources)
                 raise RefitError(f"engine at {self.address} exported storage this trainer will not write: {err}") from None
@@ -368,8 +382,16 @@ class Sender:
         self._unfinished = version
         acked = 0
         try:
-            self._request({"op": Op.BEGIN, "version": version, "digest": plan.digest, "plan_id": self._plan_id,
-                           "adoptions": self._adoptions}, f"starting refit {version}")
+            self._request(
+                {
+                    "op": Op.BEGIN,
+                    "version": version,
+                    "digest": plan.digest,
+                    "plan_id": self._plan_id,
+                    "adoptions": self._adoptions,
+                },
+                f"starting refit {version}",
+            )
             if self.exports is not None:
                 self._verify_exports(version)
             self._bad.fill_(NO_BAD)  # an aborted refit leaves its flag behind
@@ -391,7 +413,9 @@ class Sender:
                     self._abort(version, f"non-finite input in bucket {b.index}")
                     raise RefitError(
                         f"refit {version}: non-finite values in {culprits} found while packing bucket {b.index}; "
-                        f"{b.index} earlier buckets had reached the engine", self.engine_status)
+                        f"{b.index} earlier buckets had reached the engine",
+                        self.engine_status,
+                    )
                 if streaming:
                     for i in b.sources:
                         srcs[i] = None
@@ -429,7 +453,9 @@ class Sender:
             return
         bad = self._finite.first_bad(srcs)
         if bad is not None:
-            raise mxfp8.NonFiniteError(f"tensor {self.plan_.sources[bad].name!r} holds NaN or Inf; nothing was sent to the engine")
+            raise mxfp8.NonFiniteError(
+                f"tensor {self.plan_.sources[bad].name!r} holds NaN or Inf; nothing was sent to the engine"
+            )
 
     def _pull(self, stream, bucket, version: int, report: RefitReport) -> list[torch.Tensor]:
         """A stream's tensors for one bucket; bad input aborts the refit (earlier buckets landed)."""
@@ -456,8 +482,9 @@ class Sender:
         try:
             reply = check_reply(reply, Op.APPLIED)
         except Malformed as bad:
-            raise RefitError(f"refit {version}: engine at {self.address} broke the protocol while bucket {acked} was in "
-                             f"flight: {bad.why}") from None
+            raise RefitError(
+                f"refit {version}: engine at {self.address} broke the protocol while bucket {acked} was in flight: {bad.why}"
+            ) from None
         if reply["op"] != Op.APPLIED or reply["bucket"] != acked:
             why = reply.get("problems") or reply.get("why", "")
             status = reply if "version" in reply and "state" in reply else None
@@ -470,8 +497,9 @@ class Sender:
             self.exports.verify()
         except ValueError as err:
             self._abort(version, "exported storage changed")
-            raise RefitError(f"refit {version}: engine at {self.address} changed its exported storage: {err}",
-                             self.engine_status) from None
+            raise RefitError(
+                f"refit {version}: engine at {self.address} changed its exported storage: {err}", self.engine_status
+            ) from None
 
     def _abort(self, version: int, why: str) -> None:
         """Tell the engine to stop; skip the "applied" answers still in flight before its "aborted"."""
@@ -479,8 +507,9 @@ class Sender:
             self.client.send({"op": Op.ABORT, "version": version, "why": why})
             deadline = time.monotonic() + self.timeout_s
             while True:
-                reply = check_reply(self.client.recv(max(0.0, deadline - time.monotonic()), step="aborting"),
-                                    Op.APPLIED, Op.ABORTED)
+                reply = check_reply(
+                    self.client.recv(max(0.0, deadline - time.monotonic()), step="aborting"), Op.APPLIED, Op.ABORTED
+                )
                 if reply["op"] != Op.APPLIED:
                     break
             if "version" in reply and "state" in reply:

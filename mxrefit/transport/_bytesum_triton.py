@@ -22,8 +22,17 @@ CHUNK = 16384  # words per program, below MOD: see the weights in the kernel
 
 
 @triton.jit
-def _bytesum_kernel(prog_region, prog_start, nbytes_of, addr_of, out, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                    MOD: tl.constexpr, ALIGNED: tl.constexpr):
+def _bytesum_kernel(
+    prog_region,
+    prog_start,
+    nbytes_of,
+    addr_of,
+    out,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    MOD: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
     pid = tl.program_id(0)
     r = tl.load(prog_region + pid)
     start = tl.multiple_of(tl.load(prog_start + pid), CHUNK)  # first word of the chunk
@@ -79,8 +88,17 @@ class ByteSumGroup:
         """The two sums as signed int64 (the caller reduces them modulo 2**64)."""
         self.out.zero_()
         if self.programs:
-            _bytesum_kernel[(self.programs,)](self.prog_region, self.prog_start, self.nbytes_of, self.addr_of, self.out,
-                                              CHUNK=CHUNK, BLOCK=self.block, MOD=MOD, ALIGNED=self.aligned,
-                                              num_warps=self.num_warps)
+            _bytesum_kernel[(self.programs,)](
+                self.prog_region,
+                self.prog_start,
+                self.nbytes_of,
+                self.addr_of,
+                self.out,
+                CHUNK=CHUNK,
+                BLOCK=self.block,
+                MOD=MOD,
+                ALIGNED=self.aligned,
+                num_warps=self.num_warps,
+            )
         s1, s2 = self.out.tolist()
         return s1, s2

@@ -53,7 +53,9 @@ class ByteSum:
         device = views[0].device if views else torch.device("cpu")
         kernels = _triton_module()
         interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
-        self._group = kernels.ByteSumGroup(views, device) if kernels is not None and (device.type == "cuda" or interpreted) else None
+        self._group = (
+            kernels.ByteSumGroup(views, device) if kernels is not None and (device.type == "cuda" or interpreted) else None
+        )
         self._weights = torch.empty(0, WORDS_PER_ROW, dtype=torch.int64, device=device)  # (k % MOD) + 1, by row
 
     def __call__(self) -> tuple[int, int]:

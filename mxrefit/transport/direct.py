@@ -158,8 +158,9 @@ def _describe_cuda(storages: list[torch.UntypedStorage]) -> dict[str, Any]:
 class OpenedExports:
     """The peer's view of exported tensors: ``tensors[name]`` is a flat uint8 tensor."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], keepalive: list[Any],
-                 segments: list[tuple[str, int, int]] | None = None):
+    def __init__(
+        self, tensors: dict[str, torch.Tensor], keepalive: list[Any], segments: list[tuple[str, int, int]] | None = None
+    ):
         self.tensors = tensors
         self._keepalive = keepalive
         self._segments = segments or []  # shm: (name, inode, bytes this side writes into)
@@ -240,8 +241,10 @@ def _checked_segment_stat(name: str, size: int, inode: int | None = None) -> int
     finally:
         os.close(fd)
     if st.st_uid != os.geteuid():
-        raise ValueError(f"exported shared memory segment {name!r} belongs to uid {st.st_uid}, not to this user "
-                         f"({os.geteuid()}): direct writes go only into this user's segments; use buffers")
+        raise ValueError(
+            f"exported shared memory segment {name!r} belongs to uid {st.st_uid}, not to this user "
+            f"({os.geteuid()}): direct writes go only into this user's segments; use buffers"
+        )
     if st.st_size < size:
         raise ValueError(f"exported shared memory segment {name!r} has {st.st_size} bytes, fewer than the {size} described")
     if inode is not None and st.st_ino != inode:

@@ -38,8 +38,9 @@ def create_buffers(kind: str, count: int, nbytes: int, device: torch.device | st
     raise ValueError(f"unknown transfer buffer kind {kind!r}; expected one of {KINDS}")
 
 
-def open_buffers(desc: dict[str, Any], device: torch.device | str | None = None, *,
-                 max_wait_s: float | None = None) -> OpenedBuffers:
+def open_buffers(
+    desc: dict[str, Any], device: torch.device | str | None = None, *, max_wait_s: float | None = None
+) -> OpenedBuffers:
     """Open buffers from an owner's ``describe()``; ValueError if the description is malformed.
 
     ``max_wait_s``: the opener's own bound on any wait the description asks for (a broadcast

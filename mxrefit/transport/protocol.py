@@ -92,15 +92,21 @@ def frame(token: bytes, msg: dict[str, Any]) -> bytes:
 
 def authenticated_body(data: bytes, token: bytes) -> bytes | None:
     """The map's bytes if ``data`` starts with ``token`` (constant-time compare), else None."""
-    return data[len(token):] if hmac.compare_digest(data[: len(token)], token) else None
+    return data[len(token) :] if hmac.compare_digest(data[: len(token)], token) else None
 
 
 def decode(body: bytes) -> dict[str, Any]:
     """One bounded decode of a message map with a str ``op``; Malformed for anything else."""
     try:
         obj = msgpack.unpackb(
-            body, raw=False, strict_map_key=True, max_str_len=MAX_STR_BYTES,
-            max_bin_len=MAX_BIN_BYTES, max_array_len=MAX_ARRAY_LEN, max_map_len=MAX_MAP_LEN, max_ext_len=0,
+            body,
+            raw=False,
+            strict_map_key=True,
+            max_str_len=MAX_STR_BYTES,
+            max_bin_len=MAX_BIN_BYTES,
+            max_array_len=MAX_ARRAY_LEN,
+            max_map_len=MAX_MAP_LEN,
+            max_ext_len=0,
         )
     except Exception as err:  # msgpack raises several types (ValueError, ExtraData, FormatError, StackError, ...)
         raise Malformed(f"undecodable frame: {type(err).__name__}: {err}") from None
@@ -186,15 +192,31 @@ def _STATE(v: Any) -> bool:
 
 
 # per kind: field -> (check, required). Extra fields are allowed (a newer peer may add some).
-_STATUS_FIELDS = {"version": (_INT, True), "state": (_STATE, True), "error": (_optional(_STR), False),
-                  "rejected": (_INT, False), "ranks": (_LIST, False)}
+_STATUS_FIELDS = {
+    "version": (_INT, True),
+    "state": (_STATE, True),
+    "error": (_optional(_STR), False),
+    "rejected": (_INT, False),
+    "ranks": (_LIST, False),
+}
 REQUESTS: dict[str, dict[str, tuple[Any, bool]]] = {
     Op.HELLO: {},
-    Op.PLAN: {"sources": (_LIST, True), "bucket_bytes": (_INT, True), "slots": (_INT, True), "digest": (_STR, True),
-              "plan_id": (_optional(_STR), False), "transport": (_STR, False), "verify": (_optional(_BOOL), False),
-              "buffers": (_DICT, False)},
-    Op.BEGIN: {"version": (_INT, True), "digest": (_STR, True), "plan_id": (_optional(_STR), False),
-               "adoptions": (_optional(_is_str_list), False)},
+    Op.PLAN: {
+        "sources": (_LIST, True),
+        "bucket_bytes": (_INT, True),
+        "slots": (_INT, True),
+        "digest": (_STR, True),
+        "plan_id": (_optional(_STR), False),
+        "transport": (_STR, False),
+        "verify": (_optional(_BOOL), False),
+        "buffers": (_DICT, False),
+    },
+    Op.BEGIN: {
+        "version": (_INT, True),
+        "digest": (_STR, True),
+        "plan_id": (_optional(_STR), False),
+        "adoptions": (_optional(_is_str_list), False),
+    },
     Op.READY: {"version": (_INT, True), "bucket": (_INT, True), "sum": (_optional(_is_int_list), False)},
     Op.COMMIT: {"version": (_INT, True)},
     Op.ABORT: {"version": (_optional(_INT), False), "why": (lambda v: True, False)},
@@ -203,20 +225,37 @@ REQUESTS: dict[str, dict[str, tuple[Any, bool]]] = {
     Op.SHUTDOWN: {},
 }
 REPLIES: dict[str, dict[str, tuple[Any, bool]]] = {
-    Op.TABLES: {"params": (_LIST, True), "destinations": (_LIST, True), "exportable": (_BOOL, True),
-                "device": (_STR, True), **_STATUS_FIELDS},
-    Op.PLANNED: {"digest": (_STR, True), "adoption": (lambda v: isinstance(v, str) or _is_str_list(v), True),
-                 "exports": (_DICT, False)},
+    Op.TABLES: {
+        "params": (_LIST, True),
+        "destinations": (_LIST, True),
+        "exportable": (_BOOL, True),
+        "device": (_STR, True),
+        **_STATUS_FIELDS,
+    },
+    Op.PLANNED: {
+        "digest": (_STR, True),
+        "adoption": (lambda v: isinstance(v, str) or _is_str_list(v), True),
+        "exports": (_DICT, False),
+    },
     Op.BEGUN: {"version": (_INT, True)},
     Op.APPLIED: {"bucket": (_INT, True)},
-    Op.COMMITTED: {**_STATUS_FIELDS, "fetch_s": (_NUM, False), "apply_s": (_NUM, False), "process_s": (_NUM, False),
-                   "after_refit_s": (_NUM, False)},
+    Op.COMMITTED: {
+        **_STATUS_FIELDS,
+        "fetch_s": (_NUM, False),
+        "apply_s": (_NUM, False),
+        "process_s": (_NUM, False),
+        "after_refit_s": (_NUM, False),
+    },
     Op.ABORTED: _STATUS_FIELDS,
     Op.STATUS: _STATUS_FIELDS,
     Op.BYE: _STATUS_FIELDS,
     Op.CHECKSUM: {"sha256": (lambda v: isinstance(v, list) and all(x is None or isinstance(x, str) for x in v), True)},
-    Op.ERROR: {"kind": (_STR, True), "problems": (_LIST, True), "version": (_optional(_INT), False),
-               "state": (_optional(_STATE), False)},
+    Op.ERROR: {
+        "kind": (_STR, True),
+        "problems": (_LIST, True),
+        "version": (_optional(_INT), False),
+        "state": (_optional(_STATE), False),
+    },
     Op.REJECTED: {"why": (lambda v: True, False)},
 }
 

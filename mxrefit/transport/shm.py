@@ -38,9 +38,7 @@ def _map_segment(name: str) -> mmap.mmap:
     try:
         fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
     except FileNotFoundError:
-        raise FileNotFoundError(
-            f"shared memory segment {name!r} does not exist: its owner closed it or exited"
-        ) from None
+        raise FileNotFoundError(f"shared memory segment {name!r} does not exist: its owner closed it or exited") from None
     try:
         return mmap.mmap(fd, os.fstat(fd).st_size)
     finally:

@@ -28,8 +28,12 @@ def expected_parts(dest: Destination, tensor: torch.Tensor) -> tuple[torch.Tenso
     return (src.to(dest.targets[0].dtype),)
 
 
-def mismatched(request: Callable[[dict], dict], destinations: dict[str, Destination],
-               weights: dict[str, torch.Tensor], take: Take | None = None) -> list[str]:
+def mismatched(
+    request: Callable[[dict], dict],
+    destinations: dict[str, Destination],
+    weights: dict[str, torch.Tensor],
+    take: Take | None = None,
+) -> list[str]:
     """Names whose engine bytes differ from the expected parts; ``take(name, part)`` gives a
     tensor-parallel rank's slice of a part (whole when None)."""
     ranges, want, names = [], [], []

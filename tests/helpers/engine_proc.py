@@ -64,9 +64,20 @@ def _answer_probes(conn) -> None:
         conn.send({"objects": len(gc.get_objects())})
 
 
-def serve_tiny(conn, model: str, mxfp8: bool, timeout_s: float, tcp: bool = False, quant: str | None = None,
-               transactional: bool = False, tp: tuple[int, int] = (0, 1), die_in_refit: tuple[int, int] | None = None,
-               fault: dict | None = None, post_process: bool = False, probe_conn=None) -> None:
+def serve_tiny(
+    conn,
+    model: str,
+    mxfp8: bool,
+    timeout_s: float,
+    tcp: bool = False,
+    quant: str | None = None,
+    transactional: bool = False,
+    tp: tuple[int, int] = (0, 1),
+    die_in_refit: tuple[int, int] | None = None,
+    fault: dict | None = None,
+    post_process: bool = False,
+    probe_conn=None,
+) -> None:
     """A tiny transformers model behind a Receiver; ``tp`` = (rank, size) keeps that TP rank's slices.
 
     ``die_in_refit`` = (n, bucket): exit abruptly once bucket ``bucket`` of the n-th refit landed,
@@ -124,8 +135,9 @@ def dying_trainer(address: str, token: bytes, model: str, die_after_acks: int, t
     sender.refit(dict(module.named_parameters()))
 
 
-def faulty_trainer(address: str, token: bytes, plain_specs: list, seeds: list[int], fault: dict,
-                   bucket_bytes: int, timeout_s: float) -> None:
+def faulty_trainer(
+    address: str, token: bytes, plain_specs: list, seeds: list[int], fault: dict, bucket_bytes: int, timeout_s: float
+) -> None:
     """A trainer process that refits once per seed and is killed at the point ``fault`` names."""
     from mxrefit.source.sender import Sender
     from tests.helpers.faults import FaultyClient
@@ -140,8 +152,9 @@ def faulty_trainer(address: str, token: bytes, plain_specs: list, seeds: list[in
     os._exit(0)
 
 
-def serve_layout(conn, shape, post: bool, timeout_s: float, experts: str = "per_expert", device: str = "cpu",
-                 transactional: bool = False) -> None:
+def serve_layout(
+    conn, shape, post: bool, timeout_s: float, experts: str = "per_expert", device: str = "cpu", transactional: bool = False
+) -> None:
     """An engine process holding vLLM's MXFP8 layout of ``shape`` in exportable memory
     (direct writes), optionally post-processed into the TRT-LLM kernel layout."""
     from mxrefit.engine.layout import LayoutEngine

@@ -45,7 +45,7 @@ class FakeEngine:
             if not self._sock.poll(20):
                 continue
             identity, data = self._sock.recv_multipart()
-            msg = msgpack.unpackb(data[len(self.token):], raw=False)
+            msg = msgpack.unpackb(data[len(self.token) :], raw=False)
             seq = msg.pop("seq", None)
             self.requests.append(msg)
             for out in self.answer(msg, seq):
@@ -62,7 +62,7 @@ class FakeEngine:
         self._thread.join(10)
         self._sock.close(linger=0)
         self._ctx.term()
-        shutil.rmtree(os.path.dirname(self.address[len("ipc://"):]), ignore_errors=True)
+        shutil.rmtree(os.path.dirname(self.address[len("ipc://") :]), ignore_errors=True)
 
 
 def tables_reply() -> dict:

@@ -25,13 +25,28 @@ CTX = mp.get_context("spawn")
 class EngineProcess:
     """A tiny transformers model behind a real Receiver in a spawned process (``engine_proc.serve_tiny``)."""
 
-    def __init__(self, model: str = "moe", mxfp8: bool = False, timeout_s: float = 30.0, quant: str | None = None,
-                 transactional: bool = False, fault: dict | None = None, post_process: bool = False, probe: bool = False,
-                 tcp: bool = False):
+    def __init__(
+        self,
+        model: str = "moe",
+        mxfp8: bool = False,
+        timeout_s: float = 30.0,
+        quant: str | None = None,
+        transactional: bool = False,
+        fault: dict | None = None,
+        post_process: bool = False,
+        probe: bool = False,
+        tcp: bool = False,
+    ):
         self.conn, child = CTX.Pipe()
         self._probe, probe_child = CTX.Pipe() if probe else (None, None)
-        options = {"quant": quant, "transactional": transactional, "fault": fault, "post_process": post_process,
-                   "probe_conn": probe_child, "tcp": tcp}
+        options = {
+            "quant": quant,
+            "transactional": transactional,
+            "fault": fault,
+            "post_process": post_process,
+            "probe_conn": probe_child,
+            "tcp": tcp,
+        }
         self.proc = CTX.Process(target=serve_tiny, args=(child, model, mxfp8, timeout_s), kwargs=options, daemon=True)
         self.proc.start()
         assert self.conn.poll(180), "engine did not start"

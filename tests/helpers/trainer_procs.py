@@ -55,8 +55,10 @@ def build_engine(spec: dict):
             model = module_from_tensors(dict(HFSource(model, experts="per_expert")))
         return TorchEngine(model, mxfp8=spec["mxfp8"], rules=rules)
     shape = ModelShape.from_hf_config(model.config)
-    return LayoutEngine(vllm_params(shape, mxfp8=spec["mxfp8"], rules=rules),
-                        vllm_destinations(shape, mxfp8=spec["mxfp8"], experts=experts, rules=rules))
+    return LayoutEngine(
+        vllm_params(shape, mxfp8=spec["mxfp8"], rules=rules),
+        vllm_destinations(shape, mxfp8=spec["mxfp8"], experts=experts, rules=rules),
+    )
 
 
 def _engine_bytes(engine) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
@@ -67,8 +69,14 @@ def _engine_bytes(engine) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
         tensors = dict(engine.module.named_parameters(remove_duplicate=False)) | {n: engine.tensor(n) for n in engine.params()}
     else:
         tensors = engine.tensors
-    return {n: (str(t.dtype).removeprefix("torch."), tuple(t.shape), t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-            for n, t in tensors.items()}
+    return {
+        n: (
+            str(t.dtype).removeprefix("torch."),
+            tuple(t.shape),
+            t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes(),
+        )
+        for n, t in tensors.items()
+    }
 
 
 def serve_engine(conn, spec: dict, timeout_s: float) -> None:
@@ -129,6 +137,7 @@ def expected_mismatches(destinations: dict, weights: dict[str, torch.Tensor], en
 
 # ---- FSDP2 trainer ranks ------------------------------------------------------------------------
 
+
 def _fsdp2_model(seed: int, layers: int, world: int):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -163,8 +172,15 @@ def fsdp2_refit_rank(rank: int, world: int, rdzv: str, seed: int, engine: dict, 
             report = sender.refit(source)  # streamed: one gathered parameter at a time
             sender.close(shutdown_engine=True)
             with open(os.path.join(out_dir, "rank0.json"), "w") as f:
-                json.dump({"version": report.version, "buckets": report.buckets, "sharded": sharded,
-                           "params": len(list(model.parameters()))}, f)
+                json.dump(
+                    {
+                        "version": report.version,
+                        "buckets": report.buckets,
+                        "sharded": sharded,
+                        "params": len(list(model.parameters())),
+                    },
+                    f,
+                )
         else:
             for _ in source:
                 pass
@@ -257,8 +273,19 @@ def fsdp2_memory_rank(rank: int, world: int, rdzv: str, layers: int, out_dir: st
                 for _ in source:  # join rank 0's gathers
                     pass
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump({"stream": streamed, "whole": whole, "refit": refit, "alive": alive, "held": max(held),
-                       "largest": max(nbytes), "total": sum(nbytes), "seen": seen,
-                       "specs": [[s.name, list(s.shape)] for s in source.specs()]}, f)
+            json.dump(
+                {
+                    "stream": streamed,
+                    "whole": whole,
+                    "refit": refit,
+                    "alive": alive,
+                    "held": max(held),
+                    "largest": max(nbytes),
+                    "total": sum(nbytes),
+                    "seen": seen,
+                    "specs": [[s.name, list(s.shape)] for s in source.specs()],
+                },
+                f,
+            )
     finally:
         dist.destroy_process_group()

@@ -15,7 +15,7 @@ import textwrap
 
 _INIT = '__version__ = "{version}"\n'
 
-_PLATFORMS = '''
+_PLATFORMS = """
 import enum
 class PlatformEnum(enum.Enum):
     CUDA = enum.auto()
@@ -24,9 +24,9 @@ class _Platform:
     def is_cpu(self):
         return False
 current_platform = _Platform()
-'''
+"""
 
-_BASE_COMMON = '''
+_BASE_COMMON = """
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -87,15 +87,15 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
     @abstractmethod
     def shutdown(self) -> None: ...
 {worker_extra}
-'''
+"""
 
-_SEND_WEIGHTS_0_26 = '''
+_SEND_WEIGHTS_0_26 = """
     @staticmethod
     @abstractmethod
     def trainer_send_weights(iterator: Iterator[Any], trainer_args: dict[str, Any] | Any) -> None: ...
-'''
+"""
 
-_SOURCE_ITER = '''
+_SOURCE_ITER = """
 class WeightSource(ABC):
     @abstractmethod
     def metadata(self) -> list[ParamMeta]: ...
@@ -113,9 +113,9 @@ class ModuleSource(WeightSource):
 
     def __iter__(self):
         yield from self._module.named_parameters()
-'''
+"""
 
-_SOURCE_ITER_FULL = '''
+_SOURCE_ITER_FULL = """
 class WeightSource(ABC):
     @property
     @abstractmethod
@@ -141,10 +141,10 @@ class ModuleSource(WeightSource):
 
     def iter_full(self):
         yield from self._module.named_parameters()
-'''
+"""
 
 # 0.26: the trainer engine is Generic[TConfig, TInitInfo] and takes the config
-_TRAINER_0_26 = '''
+_TRAINER_0_26 = """
 @dataclass
 class TrainerInitInfo(WeightTransferInitInfo):
     rank: int = field(kw_only=True)
@@ -170,9 +170,9 @@ class TrainerWeightTransferEngine(ABC, Generic[TConfig, TInitInfo]):
 
     @abstractmethod
     def send_weights(self) -> None: ...
-'''
+"""
 
-_TRAINER_INFO_0_27 = '''
+_TRAINER_INFO_0_27 = """
 @dataclass
 class TrainerInitInfo:
     backend: ClassVar[str]
@@ -186,9 +186,11 @@ class TrainerInitInfo:
     @property
     def is_sender(self) -> bool:
         return self.rank == 0
-'''
+"""
 
-_TRAINER_0_27 = _TRAINER_INFO_0_27 + '''
+_TRAINER_0_27 = (
+    _TRAINER_INFO_0_27
+    + """
 
 class TrainerWeightTransferEngine(ABC, Generic[TTrainerInitInfo]):
     init_info_cls: type
@@ -204,9 +206,12 @@ class TrainerWeightTransferEngine(ABC, Generic[TTrainerInitInfo]):
 
     @abstractmethod
     def send_weights(self) -> None: ...
-'''
+"""
+)
 
-_TRAINER_0_32 = _TRAINER_INFO_0_27 + '''
+_TRAINER_0_32 = (
+    _TRAINER_INFO_0_27
+    + """
 
 class TrainerWeightTransferEngine(ABC, Generic[TTrainerInitInfo]):
     init_info_cls: type
@@ -222,9 +227,12 @@ class TrainerWeightTransferEngine(ABC, Generic[TTrainerInitInfo]):
 
     @abstractmethod
     def send_weights(self) -> None: ...
-'''
+"""
+)
 
-_TRAINER_0_33 = _TRAINER_INFO_0_27 + '''
+_TRAINER_0_33 = (
+    _TRAINER_INFO_0_27
+    + """
 
 class TrainerWeightTransferEngine(ABC, Generic[TTrainerInitInfo]):
     init_info_cls: type
@@ -241,9 +249,10 @@ class TrainerWeightTransferEngine(ABC, Generic[TTrainerInitInfo]):
 
     @abstractmethod
     def send_weights(self) -> None: ...
-'''
+"""
+)
 
-_FACTORY = '''
+_FACTORY = """
 from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine, WeightTransferEngine
 
 
@@ -268,23 +277,25 @@ class WeightTransferEngineFactory(_Factory):
 class WeightTransferTrainerFactory(_Factory):
     _registry: dict = {{}}
 {trainer_init}
-'''
+"""
 
 # 0.26: trainer_init(backend, config, init_info, ...) and passes config= on
-_FACTORY_INIT_0_26 = '''
+_FACTORY_INIT_0_26 = """
     @classmethod
     def trainer_init(cls, backend, config, init_info, *, client, source):
         return cls._registry[backend]().trainer_init(config=config, init_info=init_info, client=client, source=source)
-'''
+"""
 
-_FACTORY_INIT_0_27 = '''
+_FACTORY_INIT_0_27 = """
     @classmethod
     def trainer_init(cls, init_info, *, client, source=None):
         return cls._registry[init_info.backend]().trainer_init(init_info=init_info, client=client, source=source)
-'''
+"""
 
 # shapes no release has: what a future vLLM could do
-_TRAINER_NEEDS_TRANSPORT = _TRAINER_INFO_0_27 + '''
+_TRAINER_NEEDS_TRANSPORT = (
+    _TRAINER_INFO_0_27
+    + """
 
 class TrainerWeightTransferEngine(ABC, Generic[TTrainerInitInfo]):
     init_info_cls: type
@@ -298,23 +309,44 @@ class TrainerWeightTransferEngine(ABC, Generic[TTrainerInitInfo]):
 
     @abstractmethod
     def send_weights(self) -> None: ...
-'''
+"""
+)
 
-_NEW_ABSTRACT = '''
+_NEW_ABSTRACT = """
     @abstractmethod
     def apply_patch(self, patch) -> None: ...
-'''
+"""
 
 
 SHAPES: dict[str, dict] = {
-    "0.26": {"version": "0.26.0", "worker_extra": _SEND_WEIGHTS_0_26, "source": _SOURCE_ITER,
-             "trainer": _TRAINER_0_26, "factory_init": _FACTORY_INIT_0_26},
-    "0.27": {"version": "0.27.1", "worker_extra": _SEND_WEIGHTS_0_26, "source": _SOURCE_ITER,
-             "trainer": _TRAINER_0_27, "factory_init": _FACTORY_INIT_0_27},
-    "0.32": {"version": "0.32.0", "worker_extra": "", "source": _SOURCE_ITER,
-             "trainer": _TRAINER_0_32, "factory_init": _FACTORY_INIT_0_27},
-    "0.33": {"version": "0.34.0", "worker_extra": "", "source": _SOURCE_ITER_FULL,
-             "trainer": _TRAINER_0_33, "factory_init": _FACTORY_INIT_0_27},
+    "0.26": {
+        "version": "0.26.0",
+        "worker_extra": _SEND_WEIGHTS_0_26,
+        "source": _SOURCE_ITER,
+        "trainer": _TRAINER_0_26,
+        "factory_init": _FACTORY_INIT_0_26,
+    },
+    "0.27": {
+        "version": "0.27.1",
+        "worker_extra": _SEND_WEIGHTS_0_26,
+        "source": _SOURCE_ITER,
+        "trainer": _TRAINER_0_27,
+        "factory_init": _FACTORY_INIT_0_27,
+    },
+    "0.32": {
+        "version": "0.32.0",
+        "worker_extra": "",
+        "source": _SOURCE_ITER,
+        "trainer": _TRAINER_0_32,
+        "factory_init": _FACTORY_INIT_0_27,
+    },
+    "0.33": {
+        "version": "0.34.0",
+        "worker_extra": "",
+        "source": _SOURCE_ITER_FULL,
+        "trainer": _TRAINER_0_33,
+        "factory_init": _FACTORY_INIT_0_27,
+    },
 }
 
 # never released: the plugin must log one warning and register nothing
@@ -330,13 +362,13 @@ def write_fake(root: str, shape: dict) -> str:
     """A fake ``vllm`` package of ``shape`` under ``root``; returns ``root``."""
     files = {
         "__init__.py": _INIT.format(version=shape["version"])
-        + ('raise RuntimeError("undefined symbol: _ZN3c10 (a vLLM built for another torch)")\n'
-           if shape.get("broken") else ""),
+        + ('raise RuntimeError("undefined symbol: _ZN3c10 (a vLLM built for another torch)")\n' if shape.get("broken") else ""),
         "platforms/__init__.py": _PLATFORMS,
         "distributed/__init__.py": "",
         "distributed/weight_transfer/__init__.py": "",
         "distributed/weight_transfer/base.py": _BASE_COMMON.format(worker_extra=shape["worker_extra"])
-        + shape["source"] + shape["trainer"],
+        + shape["source"]
+        + shape["trainer"],
         "distributed/weight_transfer/factory.py": _FACTORY.format(trainer_init=shape["factory_init"]),
     }
     drop = shape.get("drop")
@@ -353,14 +385,14 @@ def write_fake(root: str, shape: dict) -> str:
 # ---- the reload side: what the engine's adapters read (meta.SKIP_TENSORS, weight_utils,
 # the unquantized MoE method's _setup_kernel), per release ----------------------------------
 
-_QUANT_BASE = '''
+_QUANT_BASE = """
 class QuantizeMethodBase:
     def process_weights_after_loading(self, layer):
         pass
-'''
+"""
 
 # 0.34's weight_utils.finalize_model_weights, minus the device-offload context
-_FINALIZE_0_34 = '''
+_FINALIZE_0_34 = """
 def finalize_model_weights(model, target_device=None):
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
@@ -380,11 +412,11 @@ def finalize_model_weights(model, target_device=None):
         hook = getattr(module, "process_weights_after_loading", None)
         if callable(hook):
             hook()
-'''
+"""
 
 # _setup_kernel's tail: 0.32-0.34 run the experts' post-load step on the first build only;
 # 0.26/0.27 have no such step
-_SETUP_0_26 = '''
+_SETUP_0_26 = """
 class UnquantizedFusedMoEMethod:
     moe_kernel = None
 
@@ -392,9 +424,9 @@ class UnquantizedFusedMoEMethod:
         is_weight_update = self.moe_kernel is not None
         if not is_weight_update:
             self.moe_kernel = object()
-'''
+"""
 
-_SETUP_0_32 = '''
+_SETUP_0_32 = """
 class UnquantizedFusedMoEMethod:
     moe_kernel = None
 
@@ -403,11 +435,12 @@ class UnquantizedFusedMoEMethod:
         if not is_weight_update:
             self._init_moe_kernel(layer)
             self.moe_kernel.fused_experts.process_weights_after_loading(layer)
-'''
+"""
 
 _SKIP_0_26 = 'SKIP_TENSORS = {"_expert_map", "expert_mask", "e_score_correction_bias"}\n'
-_SKIP_0_27 = 'SKIP_LOAD_TENSORS = {"_expert_map", "expert_mask", "e_score_correction_bias"}\n' \
-             'SKIP_TENSORS = SKIP_LOAD_TENSORS | {"bias"}\n'
+_SKIP_0_27 = (
+    'SKIP_LOAD_TENSORS = {"_expert_map", "expert_mask", "e_score_correction_bias"}\nSKIP_TENSORS = SKIP_LOAD_TENSORS | {"bias"}\n'
+)
 
 RELOAD_SHAPES: dict[str, dict[str, str]] = {
     "0.26": {"skip": _SKIP_0_26, "finalize": "", "setup": _SETUP_0_26},

@@ -16,9 +16,20 @@ def qwen3_moe(seed: int):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                         num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, tie_word_embeddings=False)
+    cfg = Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        tie_word_embeddings=False,
+    )
     return Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
 
 
@@ -26,8 +37,16 @@ def qwen3_dense(seed: int):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)
+    cfg = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+    )
     return Qwen3ForCausalLM(cfg).to(torch.bfloat16)
 
 
@@ -37,8 +56,16 @@ def qwen3_dense_fp8(seed: int):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=320, intermediate_size=640, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=False)
+    cfg = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=320,
+        intermediate_size=640,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        tie_word_embeddings=False,
+    )
     return Qwen3ForCausalLM(cfg).to(torch.bfloat16)
 
 
@@ -47,8 +74,15 @@ def qwen2(seed: int):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    cfg = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
     return Qwen2ForCausalLM(cfg).to(torch.bfloat16)
 
 
@@ -80,7 +114,7 @@ def hf_greedy(model, prompts=PROMPTS, new_tokens: int = 8) -> list[list[int]]:
     for p in prompts:
         ids = torch.tensor([p])
         gen = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-        out.append(gen[0, len(p):].tolist())
+        out.append(gen[0, len(p) :].tolist())
     return out
 
 
@@ -97,16 +131,18 @@ def hf_prompt_logprobs(model, prompts=PROMPTS) -> list[list[float]]:
 def vllm_greedy(llm, prompts=PROMPTS, new_tokens: int = 8) -> list[list[int]]:
     from vllm import SamplingParams
 
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=new_tokens, temperature=0),
-                        use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=new_tokens, temperature=0), use_tqdm=False
+    )
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
 def vllm_prompt_logprobs(llm, prompts=PROMPTS) -> list[list[float]]:
     from vllm import SamplingParams
 
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=1, prompt_logprobs=0),
-                        use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False
+    )
     result = []
     for p, o in zip(prompts, outs):
         result.append([o.prompt_logprobs[i][tok].logprob for i, tok in enumerate(p) if i > 0])
@@ -136,8 +172,16 @@ def dequantized_copy(model, fmt: str = "mxfp8"):
 def start_llm(path: str, worker_extension_cls: str = "mxrefit.integrations.vllm.worker.RefitWorkerExtension", **kwargs):
     from vllm import LLM
 
-    return LLM(model=path, skip_tokenizer_init=True, gpu_memory_utilization=0.05, enforce_eager=True,
-               max_model_len=128, max_num_seqs=8, worker_extension_cls=worker_extension_cls, **kwargs)
+    return LLM(
+        model=path,
+        skip_tokenizer_init=True,
+        gpu_memory_utilization=0.05,
+        enforce_eager=True,
+        max_model_len=128,
+        max_num_seqs=8,
+        worker_extension_cls=worker_extension_cls,
+        **kwargs,
+    )
 
 
 def stop_llm(llm) -> None:

@@ -12,7 +12,9 @@ def test_bench_cli_runs_and_engine_bytes_match(tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     run = subprocess.run(
         [sys.executable, "-m", "mxrefit", "bench", "--steps", "2", "--no-progress", "--json", str(out), "--plot", str(png)],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -27,9 +29,24 @@ def test_bench_cli_runs_and_engine_bytes_match(tmp_path):
 def test_bench_with_grouped_expert_slabs(tmp_path):
     out = tmp_path / "grouped.json"
     run = subprocess.run(
-        [sys.executable, "-m", "mxrefit", "bench", "--steps", "1", "--mode", "prequant", "--experts", "grouped",
-         "--no-progress", "--json", str(out)],
-        capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "mxrefit",
+            "bench",
+            "--steps",
+            "1",
+            "--mode",
+            "prequant",
+            "--experts",
+            "grouped",
+            "--no-progress",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -41,9 +58,24 @@ def test_bench_checks_modes_price_verify_and_transactions(tmp_path):
     """`--mode checks`: plain, per-bucket integrity sums, and a transactional engine, each bit-exact."""
     out = tmp_path / "checks.json"
     run = subprocess.run(
-        [sys.executable, "-m", "mxrefit", "bench", "--steps", "1", "--mode", "checks", "--post", "none", "--no-progress",
-         "--json", str(out)],
-        capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "mxrefit",
+            "bench",
+            "--steps",
+            "1",
+            "--mode",
+            "checks",
+            "--post",
+            "none",
+            "--no-progress",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     modes = json.loads(out.read_text())["modes"]
@@ -59,7 +91,9 @@ def test_bench_fp8_block_engine_bytes_match(tmp_path):
     out = tmp_path / "fp8.json"
     run = subprocess.run(
         [sys.executable, "-m", "mxrefit", "bench", "--format", "fp8-block", "--steps", "2", "--no-progress", "--json", str(out)],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -74,9 +108,26 @@ def test_bench_fp8_block_engine_bytes_match(tmp_path):
 def test_bench_fp8_block_ue8m0_grouped(tmp_path):
     out = tmp_path / "ue8m0.json"
     run = subprocess.run(
-        [sys.executable, "-m", "mxrefit", "bench", "--format", "fp8-block-ue8m0", "--steps", "1", "--mode", "prequant",
-         "--experts", "grouped", "--no-progress", "--json", str(out)],
-        capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "mxrefit",
+            "bench",
+            "--format",
+            "fp8-block-ue8m0",
+            "--steps",
+            "1",
+            "--mode",
+            "prequant",
+            "--experts",
+            "grouped",
+            "--no-progress",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -86,7 +137,9 @@ def test_bench_fp8_block_ue8m0_grouped(tmp_path):
 def test_bench_refuses_trtllm_post_for_fp8_block():
     run = subprocess.run(
         [sys.executable, "-m", "mxrefit", "bench", "--format", "fp8-block", "--post", "trtllm", "--no-progress"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert run.returncode == 2
     assert "post 'trtllm' is FlashInfer's TRT-LLM MXFP8 layout; fp8-block has no post-process here" in run.stderr
@@ -102,7 +155,10 @@ def test_bench_bf16_engine_and_a_table_that_reads_in_80_columns(tmp_path):
     out = tmp_path / "bf16.json"
     run = subprocess.run(
         [sys.executable, "-m", "mxrefit", "bench", "--format", "bf16", "--steps", "1", "--no-progress", "--json", str(out)],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": "80"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "COLUMNS": "80"},
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())

@@ -44,8 +44,9 @@ class Ranks:
     def _spawn(self, i: int, spec: dict) -> None:
         self.conns[i], child = CTX.Pipe()
         kwargs = {k: v for k, v in spec.items() if k != "mxfp8"}
-        self.procs[i] = CTX.Process(target=serve_tiny, args=(child, "moe", spec.get("mxfp8", False), self.timeout_s),
-                                    kwargs=kwargs, daemon=True)
+        self.procs[i] = CTX.Process(
+            target=serve_tiny, args=(child, "moe", spec.get("mxfp8", False), self.timeout_s), kwargs=kwargs, daemon=True
+        )
         self.procs[i].start()
 
     def _hello(self, i: int) -> None:
@@ -130,14 +131,18 @@ def test_refits_reach_every_rank_bit_exact(mx, tp, trainer_world):
 def test_tp_slices_of_mxfp8_weights_equal_quantizing_the_slices():
     """What a TP rank gets (a slice of quantize(whole)) is what vLLM computes from its checkpoint slice."""
     weights = _weights(5)
-    for name in ("model.layers.0.self_attn.o_proj.weight", "model.layers.0.mlp.experts.down_proj",
-                 "model.layers.0.self_attn.q_proj.weight"):
+    for name in (
+        "model.layers.0.self_attn.o_proj.weight",
+        "model.layers.0.mlp.experts.down_proj",
+        "model.layers.0.self_attn.q_proj.weight",
+    ):
         whole = mxfp8.quantize(weights[name], backend="torch")
         for rank in range(2):
             take = tp_take(rank, 2)
             own = mxfp8.quantize(take(name, weights[name]).contiguous(), backend="torch")
-            assert all(torch.equal(take(name, w).contiguous().view(torch.uint8), o.view(torch.uint8))
-                       for w, o in zip(whole, own)), name
+            assert all(
+                torch.equal(take(name, w).contiguous().view(torch.uint8), o.view(torch.uint8)) for w, o in zip(whole, own)
+            ), name
 
 
 def test_a_rank_killed_mid_refit_is_named_survivor_partial_then_repaired():

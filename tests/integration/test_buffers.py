@@ -66,8 +66,7 @@ def open_and_write(packed_desc: bytes, seed: int) -> None:
 
 def _run_independent_child(packed_desc: bytes, seed: int) -> None:
     """A child that is not a multiprocessing child: it shares no resource tracker with us."""
-    subprocess.run([sys.executable, "-c", _CHILD, ROOT, packed_desc.hex(), str(seed)],
-                   check=True, timeout=120)
+    subprocess.run([sys.executable, "-c", _CHILD, ROOT, packed_desc.hex(), str(seed)], check=True, timeout=120)
 
 
 def _run_spawned_child(packed_desc: bytes, seed: int) -> None:
@@ -118,8 +117,7 @@ def _wait_gone(names: list[str], timeout_s: float) -> list[bool]:
 @needs_dev_shm
 def test_shm_owner_killed_leaves_no_segment_even_after_a_child_opened_them():
     """The opener shares the owner's resource tracker here; it must not erase the owner's registration."""
-    proc = subprocess.Popen([sys.executable, "-c", _OWNER, ROOT], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", _OWNER, ROOT], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         report = json.loads(_read_line(proc, 120))
         assert report["child_exit"] == 0 and report["seen"]
@@ -194,36 +192,39 @@ _GOOD_EXPORT = [0, b"h" * 64, 64, 0, b"/torch_1_2", 0, b"e" * 64, True]
 _GOOD_CUDA = {"kind": "cuda_ipc", "nbytes": 64, "device_uuid": "GPU-x", "owner_id": "ab", "exports": [_GOOD_EXPORT]}
 
 
-@pytest.mark.parametrize("desc", [
-    None,
-    [1, 2],
-    {},
-    {**_GOOD_SHM, "kind": "nccl"},
-    {**_GOOD_SHM, "nbytes": 0},
-    {**_GOOD_SHM, "nbytes": -5},
-    {**_GOOD_SHM, "nbytes": True},
-    {**_GOOD_SHM, "nbytes": "64"},
-    {**_GOOD_SHM, "nbytes": 1 << 60},
-    {**_GOOD_SHM, "names": []},
-    {**_GOOD_SHM, "names": "psm_abc"},
-    {**_GOOD_SHM, "names": ["../etc/passwd"]},
-    {**_GOOD_SHM, "names": ["a/b"]},
-    {**_GOOD_SHM, "names": [""]},
-    {**_GOOD_SHM, "names": [b"psm_abc"]},
-    {**_GOOD_SHM, "names": ["psm_abc", "psm_abc"]},
-    {**_GOOD_SHM, "names": ["p"] * 2000},
-    {**_GOOD_SHM, "extra": 1},
-    {"kind": "shm", "nbytes": 64},
-    {**_GOOD_CUDA, "exports": []},
-    {**_GOOD_CUDA, "exports": [_GOOD_EXPORT[:7]]},
-    {**_GOOD_CUDA, "exports": [[*_GOOD_EXPORT[:1], "handle", *_GOOD_EXPORT[2:]]]},
-    {**_GOOD_CUDA, "exports": [[*_GOOD_EXPORT[:2], 63, *_GOOD_EXPORT[3:]]]},
-    {**_GOOD_CUDA, "exports": [[True, *_GOOD_EXPORT[1:]]]},
-    {**_GOOD_CUDA, "exports": [[*_GOOD_EXPORT[:7], 1]]},
-    {**_GOOD_CUDA, "device_uuid": 5},
-    {**_GOOD_CUDA, "owner_id": ""},
-    {k: v for k, v in _GOOD_CUDA.items() if k != "device_uuid"},
-])
+@pytest.mark.parametrize(
+    "desc",
+    [
+        None,
+        [1, 2],
+        {},
+        {**_GOOD_SHM, "kind": "nccl"},
+        {**_GOOD_SHM, "nbytes": 0},
+        {**_GOOD_SHM, "nbytes": -5},
+        {**_GOOD_SHM, "nbytes": True},
+        {**_GOOD_SHM, "nbytes": "64"},
+        {**_GOOD_SHM, "nbytes": 1 << 60},
+        {**_GOOD_SHM, "names": []},
+        {**_GOOD_SHM, "names": "psm_abc"},
+        {**_GOOD_SHM, "names": ["../etc/passwd"]},
+        {**_GOOD_SHM, "names": ["a/b"]},
+        {**_GOOD_SHM, "names": [""]},
+        {**_GOOD_SHM, "names": [b"psm_abc"]},
+        {**_GOOD_SHM, "names": ["psm_abc", "psm_abc"]},
+        {**_GOOD_SHM, "names": ["p"] * 2000},
+        {**_GOOD_SHM, "extra": 1},
+        {"kind": "shm", "nbytes": 64},
+        {**_GOOD_CUDA, "exports": []},
+        {**_GOOD_CUDA, "exports": [_GOOD_EXPORT[:7]]},
+        {**_GOOD_CUDA, "exports": [[*_GOOD_EXPORT[:1], "handle", *_GOOD_EXPORT[2:]]]},
+        {**_GOOD_CUDA, "exports": [[*_GOOD_EXPORT[:2], 63, *_GOOD_EXPORT[3:]]]},
+        {**_GOOD_CUDA, "exports": [[True, *_GOOD_EXPORT[1:]]]},
+        {**_GOOD_CUDA, "exports": [[*_GOOD_EXPORT[:7], 1]]},
+        {**_GOOD_CUDA, "device_uuid": 5},
+        {**_GOOD_CUDA, "owner_id": ""},
+        {k: v for k, v in _GOOD_CUDA.items() if k != "device_uuid"},
+    ],
+)
 def test_bad_descriptions_are_rejected(desc):
     with pytest.raises(ValueError):
         open_buffers(desc)
@@ -235,8 +236,19 @@ def test_valid_cuda_description_on_cpu_says_cuda_is_missing():
         open_buffers(_GOOD_CUDA)
 
 
-@pytest.mark.parametrize("args", [("shm", 0, 64), ("shm", 1, 0), ("shm", 1, -1), ("shm", True, 64),
-                                  ("shm", 1, 1.5), ("tcp", 1, 64), ("shm", 1, 64, "meta"), ("cuda_ipc", 1, 64, "cpu")])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("shm", 0, 64),
+        ("shm", 1, 0),
+        ("shm", 1, -1),
+        ("shm", True, 64),
+        ("shm", 1, 1.5),
+        ("tcp", 1, 64),
+        ("shm", 1, 64, "meta"),
+        ("cuda_ipc", 1, 64, "cpu"),
+    ],
+)
 def test_create_validates_its_arguments(args):
     with pytest.raises(ValueError):
         create_buffers(*args)
@@ -265,8 +277,9 @@ def test_ipc_buffers_are_allocated_with_expandable_segments_off_then_the_setting
     """The allocator setting is process-wide and read at start-up, so each case runs in a fresh interpreter."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
     env[var] = "max_split_size_mb:128,expandable_segments:True"
-    out = subprocess.run([sys.executable, "-W", "ignore", "-c", _TOGGLE], env=env, capture_output=True, text=True,
-                         timeout=120, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", _TOGGLE], env=env, capture_output=True, text=True, timeout=120, check=True
+    ).stdout
     before, inside, after = (_settings(s) for s in json.loads(out))
     assert before == {"max_split_size_mb": "128", "expandable_segments": "True"}, before
     assert inside == {"max_split_size_mb": "128", "expandable_segments": "False"}, inside
@@ -316,8 +329,9 @@ with create_buffers("cuda_ipc", 2, 8 << 20, "cuda") as bufs:
 @needs_cuda
 def test_cuda_ipc_works_for_a_trainer_with_expandable_segments():
     env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-    out = subprocess.run([sys.executable, "-c", _EXPANDABLE_OWNER, ROOT], env=env, capture_output=True,
-                         text=True, timeout=300, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", _EXPANDABLE_OWNER, ROOT], env=env, capture_output=True, text=True, timeout=300, check=True
+    ).stdout
     report = json.loads(out.splitlines()[-1])
     assert report == {"filler": True, "buffers": [False, False], "arena": False, "after": True, "seen": True}, report
 

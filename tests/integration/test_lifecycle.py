@@ -66,6 +66,7 @@ def _trained(seed: int = 0, dtype=torch.float32, steps: int = 2):
 
 # ---- arena ----------------------------------------------------------------------------------
 
+
 def test_layout_is_512_byte_aligned():
     assert aligned_layout([1, 513, 0, 5]) == ([0, 512, 1536, 1536], 2048)
     arena = PinnedArena(4096, pin=False)
@@ -84,11 +85,15 @@ def test_short_host_memory_is_a_clear_error_before_anything_moves():
         off.offload()
     assert not off.offloaded and _snapshot(model, opt) == before
     with pytest.raises(HostMemoryError, match="reference swap"):
-        ReferenceSwap(dict(model.named_parameters()), dict(models.tiny_qwen3_moe(1, dtype=torch.float32).named_parameters()),
-                      available=lambda: 0)
+        ReferenceSwap(
+            dict(model.named_parameters()),
+            dict(models.tiny_qwen3_moe(1, dtype=torch.float32).named_parameters()),
+            available=lambda: 0,
+        )
 
 
 # ---- optimizer offload ----------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_offload_frees_state_and_grads_and_reload_is_bit_exact(dtype):
@@ -98,8 +103,9 @@ def test_offload_frees_state_and_grads_and_reload_is_bit_exact(dtype):
     state_objects = {n: dict(opt.state[p]) for n, p in params.items()}
     grads = {n: p.grad for n, p in params.items()}
     param_ptrs = {n: p.data_ptr() for n, p in params.items()}
-    expected = sum(t.untyped_storage().nbytes() for s in state_objects.values() for t in s.values()) + \
-        sum(g.untyped_storage().nbytes() for g in grads.values())
+    expected = sum(t.untyped_storage().nbytes() for s in state_objects.values() for t in s.values()) + sum(
+        g.untyped_storage().nbytes() for g in grads.values()
+    )
     off = OptimizerOffloader(opt, named_parameters=model.named_parameters())
 
     moved = off.offload()
@@ -192,13 +198,15 @@ def test_gradients_that_are_views_of_one_flat_buffer_move_once():
     flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype)
     start = 0
     for p in params:  # what DDP's gradient_as_bucket_view does
-        view = flat[start: start + p.numel()].view_as(p)
+        view = flat[start : start + p.numel()].view_as(p)
         view.copy_(p.grad)
         p.grad = view
         start += p.numel()
     before = _snapshot(model, opt)
     off = OptimizerOffloader(opt)
-    expected = sum(t.untyped_storage().nbytes() for p in params for t in opt.state[p].values()) + flat.numel() * flat.element_size()
+    expected = (
+        sum(t.untyped_storage().nbytes() for p in params for t in opt.state[p].values()) + flat.numel() * flat.element_size()
+    )
     assert off.offload() == expected
     assert flat.untyped_storage().nbytes() == 0
     off.reload()
@@ -248,6 +256,7 @@ def test_fsdp2_local_shards_round_trip_and_training_matches(one_rank_group):
 
 
 # ---- reference swap -------------------------------------------------------------------------
+
 
 def test_reference_swap_runs_the_reference_model_in_place_and_restores_bit_exact():
     policy, reference = models.tiny_qwen3_moe(0), models.tiny_qwen3_moe(1)
@@ -308,14 +317,20 @@ def test_mismatched_reference_is_refused_naming_each_tensor():
 
     ref = dict(models.tiny_llama(1).named_parameters())
     ref["model.layers.1.mlp.down_proj.weight"] = ref["model.layers.1.mlp.down_proj.weight"][:, :-1]
-    with pytest.raises(ReferenceMismatch, match=r"tensor 'model\.layers\.1\.mlp\.down_proj\.weight': live \(128, 256\) "
-                                                r"torch\.bfloat16, reference \(128, 255\) torch\.bfloat16"):
+    with pytest.raises(
+        ReferenceMismatch,
+        match=r"tensor 'model\.layers\.1\.mlp\.down_proj\.weight': live \(128, 256\) "
+        r"torch\.bfloat16, reference \(128, 255\) torch\.bfloat16",
+    ):
         ReferenceSwap(live, ref)
 
     with pytest.raises(ReferenceMismatch) as err:
         ReferenceSwap(live, dict(models.tiny_llama(1, dtype=torch.float32).named_parameters()))
     assert len(err.value.problems) == len(live)
-    assert "tensor 'model.embed_tokens.weight': live (512, 128) torch.bfloat16, reference (512, 128) torch.float32" in err.value.problems
+    assert (
+        "tensor 'model.embed_tokens.weight': live (512, 128) torch.bfloat16, reference (512, 128) torch.float32"
+        in err.value.problems
+    )
 
     tied = dict(live, **{"lm_head.alias": policy.model.embed_tokens.weight})
     with pytest.raises(ReferenceMismatch, match="share memory"):
@@ -324,6 +339,7 @@ def test_mismatched_reference_is_refused_naming_each_tensor():
 
 
 # ---- the phase ------------------------------------------------------------------------------
+
 
 class KVEngine:
     """A small engine with vLLM's sleep/wake semantics: its KV cache is real memory that sleep frees

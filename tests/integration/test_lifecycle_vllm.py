@@ -32,8 +32,16 @@ def _child(out_path: str) -> None:
 
     work = tempfile.mkdtemp()
     models.tiny_llama(seed=3).save_pretrained(work)
-    llm = LLM(model=work, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, max_model_len=64,
-              gpu_memory_utilization=0.1, seed=0, worker_extension_cls="mxrefit.integrations.vllm.worker.RefitWorkerExtension")
+    llm = LLM(
+        model=work,
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        enforce_eager=True,
+        max_model_len=64,
+        gpu_memory_utilization=0.1,
+        seed=0,
+        worker_extension_cls="mxrefit.integrations.vllm.worker.RefitWorkerExtension",
+    )
     prompt = [{"prompt_token_ids": [1, 7, 42, 99, 3]}]
     greedy = SamplingParams(max_tokens=8, temperature=0.0)
     generate = lambda: list(llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids)  # noqa: E731

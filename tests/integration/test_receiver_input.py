@@ -77,8 +77,14 @@ def session():
 
 def _plan_msg(session: Session, **change) -> dict:
     plan = session.sender.plan_
-    msg = {"op": "plan", "sources": sources_to_msg(plan.sources), "bucket_bytes": plan.bucket_bytes,
-           "slots": plan.slots, "digest": plan.digest, "buffers": session.sender.buffers.describe()}
+    msg = {
+        "op": "plan",
+        "sources": sources_to_msg(plan.sources),
+        "bucket_bytes": plan.bucket_bytes,
+        "slots": plan.slots,
+        "digest": plan.digest,
+        "buffers": session.sender.buffers.describe(),
+    }
     msg.update(change)
     return {k: v for k, v in msg.items() if v is not _DROP}
 
@@ -147,7 +153,9 @@ _BAD_MESSAGES = {
 
 @pytest.mark.parametrize("msg", _BAD_MESSAGES.values(), ids=_BAD_MESSAGES.keys())
 def test_a_malformed_message_between_refits_is_answered(session, msg):
-    reply = session.ask({**msg, **({"digest": session.sender.plan_.digest} if msg["op"] == "begin" and "digest" not in msg else {})})
+    reply = session.ask(
+        {**msg, **({"digest": session.sender.plan_.digest} if msg["op"] == "begin" and "digest" not in msg else {})}
+    )
     if msg["op"] == "checksum" and isinstance(msg["ranges"], list):
         assert reply["op"] == "checksum" and reply["sha256"] == [None] * len(msg["ranges"]), reply
     elif msg["op"] == "abort":  # nothing in flight: the engine answers with its status
@@ -157,17 +165,26 @@ def test_a_malformed_message_between_refits_is_answered(session, msg):
     session.assert_unchanged()
 
 
-@pytest.mark.parametrize("after_bucket0,bad", [
-    (False, {"op": "ready", "bucket": "0"}),
-    (False, {"op": "ready", "bucket": 0, "version": "v"}),
-    (True, {"op": "ready", "bucket": 1, "version": None}),
-    (True, {"op": "commit", "version": [1]}),
-    (True, {"op": "abort", "why": "y" * 1_000_000}),
-], ids=["bucket-a-string", "version-a-string", "version-none", "commit-version-a-list", "abort-why-1MB"])
+@pytest.mark.parametrize(
+    "after_bucket0,bad",
+    [
+        (False, {"op": "ready", "bucket": "0"}),
+        (False, {"op": "ready", "bucket": 0, "version": "v"}),
+        (True, {"op": "ready", "bucket": 1, "version": None}),
+        (True, {"op": "commit", "version": [1]}),
+        (True, {"op": "abort", "why": "y" * 1_000_000}),
+    ],
+    ids=["bucket-a-string", "version-a-string", "version-none", "commit-version-a-list", "abort-why-1MB"],
+)
 def test_a_malformed_message_mid_refit_ends_the_refit_with_a_clear_report(session, after_bucket0, bad):
     version = session.status()["version"] + 1
-    begin = {"op": "begin", "version": version, "digest": session.sender.plan_.digest, "plan_id": session.sender._plan_id,
-             "adoptions": session.sender._adoptions}
+    begin = {
+        "op": "begin",
+        "version": version,
+        "digest": session.sender.plan_.digest,
+        "plan_id": session.sender._plan_id,
+        "adoptions": session.sender._adoptions,
+    }
     assert session.ask(begin)["op"] == "begun"
     if after_bucket0:
         assert session.ask({"op": "ready", "version": version, "bucket": 0}) == {"op": "applied", "bucket": 0}
@@ -181,20 +198,22 @@ def test_a_malformed_message_mid_refit_ends_the_refit_with_a_clear_report(sessio
 
 
 _plain = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=12)
-    | st.binary(max_size=24),
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=12) | st.binary(max_size=24),
     lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=6), kids, max_size=4),
     max_leaves=12,
 )
-_ops = st.sampled_from(["hello", "plan", "begin", "ready", "commit", "abort", "status", "checksum", "applied", ""]) \
-    | st.text(max_size=10).filter(lambda op: op != "shutdown")
-_fields = st.sampled_from(["version", "bucket", "digest", "sources", "bucket_bytes", "slots", "buffers", "ranges", "why"]) \
-    | st.text(max_size=6).filter(lambda k: k not in ("tok", "seq", "re", "op"))
+_ops = st.sampled_from(["hello", "plan", "begin", "ready", "commit", "abort", "status", "checksum", "applied", ""]) | st.text(
+    max_size=10
+).filter(lambda op: op != "shutdown")
+_fields = st.sampled_from(
+    ["version", "bucket", "digest", "sources", "bucket_bytes", "slots", "buffers", "ranges", "why"]
+) | st.text(max_size=6).filter(lambda k: k not in ("tok", "seq", "re", "op"))
 _random_msgs = st.builds(lambda op, fields: {**fields, "op": op}, _ops, st.dictionaries(_fields, _plain, max_size=5))
 
 
 def _mutations(captured: list[dict]):
     """A captured real message with one field replaced, removed, nested or set to an edge integer."""
+
     def mutate(msg: dict, key: str, how: str, value) -> dict:
         out = dict(msg)
         if key == "op" or key not in out:
@@ -207,17 +226,24 @@ def _mutations(captured: list[dict]):
             out[key] = value
         return out
 
-    return st.sampled_from(captured).flatmap(lambda msg: st.builds(
-        mutate, st.just(msg), st.sampled_from(sorted(msg)), st.sampled_from(["replace", "drop", "nest"]),
-        _plain | st.sampled_from([0, -1, 2**63 - 1, 2**64 - 1, -(2**63), "", b"", [], {}])))
+    return st.sampled_from(captured).flatmap(
+        lambda msg: st.builds(
+            mutate,
+            st.just(msg),
+            st.sampled_from(sorted(msg)),
+            st.sampled_from(["replace", "drop", "nest"]),
+            _plain | st.sampled_from([0, -1, 2**63 - 1, 2**64 - 1, -(2**63), "", b"", [], {}]),
+        )
+    )
 
 
 def test_fuzzed_messages_from_the_token_holder_never_stop_the_engine(session):
     captured = [m for m in session.captured if m["op"] != "shutdown"]
     seen: dict[str, int] = {}
 
-    @settings(max_examples=200, deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @settings(
+        max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+    )
     @given(msg=_random_msgs | _mutations(captured))
     def check(msg: dict) -> None:
         reply = session.ask(msg)

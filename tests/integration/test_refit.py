@@ -15,7 +15,9 @@ from tests.helpers.engine_proc import SWIZZLED, swizzle_scales
 from tests.helpers.refit_helpers import EngineProcess, engine_digests, sha, tiny_weights
 
 
-@pytest.mark.parametrize("quant", [None, "mxfp8", "fp8-block", "fp8-block-ue8m0"], ids=["bf16", "mxfp8", "fp8-block", "fp8-block-ue8m0"])
+@pytest.mark.parametrize(
+    "quant", [None, "mxfp8", "fp8-block", "fp8-block-ue8m0"], ids=["bf16", "mxfp8", "fp8-block", "fp8-block-ue8m0"]
+)
 def test_repeated_refits_land_exactly(quant):
     """Every refit, not just the first, replaces every byte range: values and scales (2x per step, so scales move)."""
     engine = EngineProcess(quant=quant)
@@ -86,8 +88,11 @@ def test_post_processed_scales_follow_every_refit():
         for step, seed in enumerate((31, 32, 33)):
             weights = {n: t * 2.0**step for n, t in tiny_weights(seed).items()}
             sender.refit(weights)
-            want = {f"{n}_scale{SWIZZLED}": sha(swizzle_scales(mxfp8.quantize(weights[n], backend="torch")[1]))
-                    for n, d in dests.items() if d.format == "mxfp8"}
+            want = {
+                f"{n}_scale{SWIZZLED}": sha(swizzle_scales(mxfp8.quantize(weights[n], backend="torch")[1]))
+                for n, d in dests.items()
+                if d.format == "mxfp8"
+            }
             ranges = [[n, 0, swizzled[n].nbytes] for n in want]
             got = sender.client.request({"op": "checksum", "ranges": ranges}, 30, step="swizzled scales")["sha256"]
             assert [n for n, g in zip(want, got) if g != want[n]] == [], f"stale derived scales after refit {step + 1}"
@@ -166,8 +171,18 @@ def test_engine_refuses_a_plan_that_is_not_its_own():
         sender.connect()
         specs = [SourceSpec(n, tuple(t.shape), t.dtype) for n, t in tiny_weights(1).items()]
         specs[0] = SourceSpec(specs[0].name, (specs[0].shape[0] + 1, specs[0].shape[1]), specs[0].dtype)
-        reply = sender.client.request({"op": "plan", "sources": [[s.name, list(s.shape), "bfloat16"] for s in specs],
-                                       "bucket_bytes": 1 << 20, "slots": 2, "digest": "0" * 64, "buffers": {}}, 30, step="bad plan")
+        reply = sender.client.request(
+            {
+                "op": "plan",
+                "sources": [[s.name, list(s.shape), "bfloat16"] for s in specs],
+                "bucket_bytes": 1 << 20,
+                "slots": 2,
+                "digest": "0" * 64,
+                "buffers": {},
+            },
+            30,
+            step="bad plan",
+        )
         assert reply["op"] == "error" and reply["kind"] == "plan_mismatch"
         assert specs[0].name in " ".join(reply["problems"])
         assert sender.status() == {"version": 0, "state": "ready", "error": None}

@@ -101,7 +101,9 @@ def intruder(address: str, plain_specs: list, frames: list[bytes], conn) -> None
         result["wrong_token"] = str(err)
     finally:
         intruding.close()
-    tokenless = [msgpack.packb({"op": op, "version": 99, "bucket": 0}) for op in ("hello", "begin", "ready", "commit", "shutdown")]
+    tokenless = [
+        msgpack.packb({"op": op, "version": 99, "bucket": 0}) for op in ("hello", "begin", "ready", "commit", "shutdown")
+    ]
     result["tokenless"] = _send_and_count_rejections(address, tokenless)
     result["replayed"] = _send_and_count_rejections(address, frames)
     conn.send(result)
@@ -155,8 +157,7 @@ def test_replaying_this_sessions_own_frames_writes_nothing(sessions):
 
 
 _token_free = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=12)
-    | st.binary(max_size=40),
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=12) | st.binary(max_size=40),
     lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=6), kids, max_size=4),
     max_leaves=12,
 )
@@ -165,7 +166,7 @@ _token_free = st.recursive(
 def _mutate(frame: bytes, how: str, at: int, byte: int) -> bytes:
     at %= max(len(frame), 1)
     if how == "flip":
-        return frame[:at] + bytes([frame[at] ^ (1 << (byte % 8))]) + frame[at + 1:]
+        return frame[:at] + bytes([frame[at] ^ (1 << (byte % 8))]) + frame[at + 1 :]
     if how == "truncate":
         return frame[:at]
     if how == "insert":
@@ -187,8 +188,12 @@ def _stranger_frames(draw, foreign: list[bytes], token: bytes) -> bytes:
     if kind == "foreign":
         return draw(st.sampled_from(foreign))
     if kind == "mutated":
-        return _mutate(draw(st.sampled_from(foreign)), draw(st.sampled_from(["flip", "truncate", "insert", "double"])),
-                       draw(st.integers(0, 1 << 20)), draw(st.integers(0, 255)))
+        return _mutate(
+            draw(st.sampled_from(foreign)),
+            draw(st.sampled_from(["flip", "truncate", "insert", "double"])),
+            draw(st.integers(0, 1 << 20)),
+            draw(st.integers(0, 255)),
+        )
     if kind == "ext":  # under the old token-in-the-map format, and as the token's frame would carry it
         ext = {"op": "hello", "x": msgpack.ExtType(draw(st.integers(0, 127)), b"\x00" * 8)}
         return draw(st.sampled_from([msgpack.packb({"tok": token, **ext}), token + msgpack.packb(ext)]))
@@ -202,7 +207,7 @@ def _valid_for(frame: bytes, token: bytes) -> bool:
     if not frame.startswith(token):
         return False
     try:
-        obj = msgpack.unpackb(frame[len(token):], raw=False, strict_map_key=True, max_ext_len=0)
+        obj = msgpack.unpackb(frame[len(token) :], raw=False, strict_map_key=True, max_ext_len=0)
     except Exception:
         return False
     return isinstance(obj, dict) and isinstance(obj.get("op"), str)
@@ -214,8 +219,9 @@ def test_a_fuzzing_stranger_is_rejected_frame_by_frame_and_changes_nothing(sessi
     ctx, sock = _raw_socket(ours.engine.address)
     sent = 0
 
-    @settings(max_examples=200, deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @settings(
+        max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+    )
     @given(frame=_stranger_frames(theirs.frames, ours.engine.token))
     def check(frame: bytes) -> None:
         nonlocal sent
@@ -239,8 +245,7 @@ def test_an_oversized_frame_never_reaches_the_engine(sessions):
     before = ours.status()["rejected"]
     ctx, sock = _raw_socket(ours.engine.address)
     try:
-        sock.send(ours.engine.token + msgpack.packb({"op": "hello", "pad": b"\x00" * DEFAULT_MAX_MESSAGE_BYTES}),
-                  copy=False)
+        sock.send(ours.engine.token + msgpack.packb({"op": "hello", "pad": b"\x00" * DEFAULT_MAX_MESSAGE_BYTES}), copy=False)
         assert not sock.poll(2_000)
     finally:
         sock.close(linger=0)
@@ -292,12 +297,23 @@ def pickling_uses(source: str) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("snippet", [
-    "import pickle", "import cloudpickle as cp", "from pickle import loads", "import dill.settings",
-    "torch.save(t, f)", "x = torch.load(f)", "sock.send_pyobj(x)", "sock.recv_pyobj()",
-    "msgpack.unpackb(b, ext_hook=h)", "msgpack.unpackb(b, object_hook=h)", "np.load(f, allow_pickle=True)",
-    "pickle.loads(b)",
-])
+@pytest.mark.parametrize(
+    "snippet",
+    [
+        "import pickle",
+        "import cloudpickle as cp",
+        "from pickle import loads",
+        "import dill.settings",
+        "torch.save(t, f)",
+        "x = torch.load(f)",
+        "sock.send_pyobj(x)",
+        "sock.recv_pyobj()",
+        "msgpack.unpackb(b, ext_hook=h)",
+        "msgpack.unpackb(b, object_hook=h)",
+        "np.load(f, allow_pickle=True)",
+        "pickle.loads(b)",
+    ],
+)
 def test_the_pickle_check_catches_each_way_in(snippet):
     assert pickling_uses(snippet), snippet
 

@@ -59,8 +59,12 @@ def _sample(refit: int, trainer: int, engine: EngineProcess) -> dict:
     """Both processes, between refits (the engine idles in recv)."""
     out = {"refit": refit}
     for side, pid in (("trainer", trainer), ("engine", engine.pid)):
-        out[side] = {"rss": psutil.Process(pid).memory_info().rss, "fds": _fds(pid), "maps": len(_maps(pid)),
-                     "shm": sorted(_shm_mapped(pid))}
+        out[side] = {
+            "rss": psutil.Process(pid).memory_info().rss,
+            "fds": _fds(pid),
+            "maps": len(_maps(pid)),
+            "shm": sorted(_shm_mapped(pid)),
+        }
     out["trainer"]["objects"] = len(gc.get_objects())
     out["engine"]["objects"] = engine.probe()["objects"]
     return out
@@ -115,8 +119,10 @@ def test_a_thousand_refits_keep_memory_descriptors_and_mappings_flat(monkeypatch
         assert _growth(samples, side, "maps") <= 16, (side, [s[side]["maps"] for s in samples])
         assert _growth(samples, side, "rss") < max(0.02 * warm["rss"], 8 << 20), (side, [s[side]["rss"] for s in samples])
         objects = [s[side]["objects"] for s in samples]
-        assert _median_interval_growth(samples, side, "objects") <= 10 and _growth(samples, side, "objects") < 200, \
-            (side, objects)
+        assert _median_interval_growth(samples, side, "objects") <= 10 and _growth(samples, side, "objects") < 200, (
+            side,
+            objects,
+        )
 
 
 _TRAINER = """
@@ -139,9 +145,13 @@ while True:  # refit until killed
 def test_a_sigkilled_trainer_leaves_no_shared_memory_and_the_engine_carries_on():
     """The trainer is its own process tree (its own resource tracker), killed at a random point of its refit loop."""
     engine = EngineProcess(mxfp8=True, timeout_s=3.0)
-    trainer = subprocess.Popen([sys.executable, "-c", _TRAINER, ROOT, engine.address, engine.token.hex()],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", _TRAINER, ROOT, engine.address, engine.token.hex()],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     sender = None
     try:
         first = json.loads(trainer.stdout.readline())

@@ -34,6 +34,7 @@ def _refit(engine: EngineProcess, source: HFSource, **kw) -> tuple[dict, dict[st
 
 # ---- names, specs, views ----------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("kind", ["moe", "llama"])
 def test_stream_is_named_parameters_without_copies(kind):
     model = models.tiny_qwen3_moe(seed=2) if kind == "moe" else models.tiny_llama(seed=2)
@@ -54,7 +55,9 @@ def test_per_expert_names_are_the_checkpoint_names_as_views_of_the_slabs():
     source = HFSource(model, experts="per_expert")
     streamed = dict(source)
     shape = ModelShape.from_hf_config(model.config)
-    assert sorted((s.name, s.shape) for s in source.specs()) == sorted((n, s) for n, s, _ in hf_tensor_specs(shape, experts="per_expert"))
+    assert sorted((s.name, s.shape) for s in source.specs()) == sorted(
+        (n, s) for n, s, _ in hf_tensor_specs(shape, experts="per_expert")
+    )
     assert [s.name for s in source.specs()] == list(streamed)
     saved = revert_weight_conversion(model, {n: p.detach() for n, p in model.named_parameters()})
     assert set(saved) == set(streamed)
@@ -77,6 +80,7 @@ def test_per_expert_refuses_transposed_experts():
 
 
 # ---- tied embeddings ----------------------------------------------------------------------------
+
 
 def test_tied_embeddings_are_streamed_once():
     model = models.tiny_llama(seed=4, tied=True)
@@ -113,6 +117,7 @@ def test_tied_embeddings_land_in_every_engine_name(trainer):
 
 # ---- the precision gate ---------------------------------------------------------------------------
 
+
 def test_precision_gate_refuses_at_plan_time_and_accepts_wider_floats():
     engine = EngineProcess({"kind": "torch", "model": "moe", "mxfp8": True})
     sender = Sender(engine.address, engine.token, bucket_bytes=32 << 10)
@@ -124,8 +129,9 @@ def test_precision_gate_refuses_at_plan_time_and_accepts_wider_floats():
             weights[q] = weights[q].to(dtype)
             with pytest.raises(PlanMismatch) as err:
                 sender.refit(weights)
-            assert err.value.problems == [f"tensor {q!r}: MXFP8 prequantization needs a bfloat16, float16 or float32 "
-                                          f"source, got {dtype} (shape (128, 128))"]
+            assert err.value.problems == [
+                f"tensor {q!r}: MXFP8 prequantization needs a bfloat16, float16 or float32 source, got {dtype} (shape (128, 128))"
+            ]
             weights = {n: p.detach() for n, p in model.named_parameters()}
             weights[norm] = weights[norm].to(dtype)
             with pytest.raises(PlanMismatch, match=rf"tensor '{norm}': a {dtype} source cannot be sent as a plain"):
@@ -147,11 +153,14 @@ def test_precision_gate_refuses_at_plan_time_and_accepts_wider_floats():
 
 # ---- grouped and per-expert experts: the same engine bytes ---------------------------------------------
 
+
 def test_grouped_and_per_expert_give_identical_torch_engine_bytes():
     trainer = models.tiny_qwen3_moe(seed=11)
     grouped_dests, grouped = _refit(EngineProcess({"kind": "torch", "model": "moe", "mxfp8": True}), HFSource(trainer))
-    split_dests, split = _refit(EngineProcess({"kind": "torch", "model": "moe", "mxfp8": True, "experts": "per_expert"}),
-                                HFSource(trainer, experts="per_expert"))
+    split_dests, split = _refit(
+        EngineProcess({"kind": "torch", "model": "moe", "mxfp8": True, "experts": "per_expert"}),
+        HFSource(trainer, experts="per_expert"),
+    )
     assert expected_mismatches(grouped_dests, dict(HFSource(trainer)), grouped) == []
     assert expected_mismatches(split_dests, dict(HFSource(trainer, experts="per_expert")), split) == []
     assert grouped_dests["model.layers.0.mlp.experts.gate_up_proj"].format == "mxfp8"
@@ -203,23 +212,31 @@ def test_tied_llama_into_the_vllm_layout():
 
 # ---- FSDP2 on a 2-process gloo group ---------------------------------------------------------------
 
+
 def _spawn_ranks(fn, args: tuple, tmp_path) -> None:
     rdzv = str(tmp_path / "rdzv")
     tmp.start_processes(fn, args=(2, rdzv, *args), nprocs=2, start_method="spawn")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine_spec", [
-    {"kind": "torch", "model": "moe", "mxfp8": True},
-    {"kind": "vllm_layout", "model": "moe", "mxfp8": True, "experts": "per_expert"},
-], ids=["torch-grouped", "vllm-per-expert"])
+@pytest.mark.parametrize(
+    "engine_spec",
+    [
+        {"kind": "torch", "model": "moe", "mxfp8": True},
+        {"kind": "vllm_layout", "model": "moe", "mxfp8": True, "experts": "per_expert"},
+    ],
+    ids=["torch-grouped", "vllm-per-expert"],
+)
 def test_fsdp2_stream_refits_the_engine_exactly(tmp_path, engine_spec):
     seed = 21
     engine = EngineProcess(engine_spec)
     experts = "per_expert" if engine_spec.get("experts") == "per_expert" else "as_is"
     try:
-        _spawn_ranks(fsdp2_refit_rank, (seed, {"address": engine.address, "token": engine.token, "experts": experts},
-                                        str(tmp_path)), tmp_path)
+        _spawn_ranks(
+            fsdp2_refit_rank,
+            (seed, {"address": engine.address, "token": engine.token, "experts": experts}, str(tmp_path)),
+            tmp_path,
+        )
     except BaseException:
         engine.stop()
         raise
@@ -240,8 +257,11 @@ def test_fsdp2_stream_holds_one_parameter_at_a_time(tmp_path):
     """While streaming, one parameter is held and a few are allocated, not the model."""
     engine = EngineProcess({"kind": "torch", "model": "moe", "mxfp8": True, "layers": 24})
     try:
-        _spawn_ranks(fsdp2_memory_rank, (24, str(tmp_path), {"address": engine.address, "token": engine.token,
-                                                              "bucket": 64 << 10}), tmp_path)
+        _spawn_ranks(
+            fsdp2_memory_rank,
+            (24, str(tmp_path), {"address": engine.address, "token": engine.token, "bucket": 64 << 10}),
+            tmp_path,
+        )
     except BaseException:
         engine.stop()
         raise
@@ -253,8 +273,10 @@ def test_fsdp2_stream_holds_one_parameter_at_a_time(tmp_path):
     for rank in (0, 1):
         with open(tmp_path / f"rank{rank}.json") as f:
             r = json.load(f)
-        print(f"rank {rank}: largest {r['largest']} B, model {r['total']} B, stream peak_all {r['stream']['peak_all']} B, "
-              f"refit {r['refit']}")
+        print(
+            f"rank {rank}: largest {r['largest']} B, model {r['total']} B, stream peak_all {r['stream']['peak_all']} B, "
+            f"refit {r['refit']}"
+        )
         assert [s[0] for s in r["seen"]] == [s[0] for s in r["specs"]]
         assert all(tuple(s[1]) == tuple(spec[1]) and s[2] and s[3] == "Tensor" for s, spec in zip(r["seen"], r["specs"]))
         assert r["total"] > 20 * r["largest"], r  # the measure can tell one parameter from the model

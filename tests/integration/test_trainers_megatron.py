@@ -51,8 +51,14 @@ def _megatron_from_hf(hf_model, tmp_path):
         provider.moe_grouped_gemm = False
         provider.moe_permute_fusion = False
         provider.moe_token_dispatcher_type = "allgather"
-        for flag in ("gradient_accumulation_fusion", "masked_softmax_fusion", "bias_activation_fusion",
-                     "bias_dropout_fusion", "apply_rope_fusion", "persist_layer_norm"):
+        for flag in (
+            "gradient_accumulation_fusion",
+            "masked_softmax_fusion",
+            "bias_activation_fusion",
+            "bias_dropout_fusion",
+            "apply_rope_fusion",
+            "persist_layer_norm",
+        ):
             setattr(provider, flag, False)
     provider.finalize()
     model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=on_cpu, bf16=True)
@@ -98,9 +104,11 @@ def test_tied_llama_streams_checkpoint_tensors_and_refits(process_group, tmp_pat
     assert torch.equal(got["lm_head.weight"], got["model.embed_tokens.weight"])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="Megatron-Bridge exports experts from Transformer Engine's grouped GEMM (linear_fc1.weight{e}); "
-                           "Megatron-core's CPU SequentialMLP names fail its gather_from_ep_ranks")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="Megatron-Bridge exports experts from Transformer Engine's grouped GEMM (linear_fc1.weight{e}); "
+    "Megatron-core's CPU SequentialMLP names fail its gather_from_ep_ranks",
+)
 def test_qwen3_moe_streams_per_expert_checkpoint_tensors_and_refits(process_group, tmp_path):
     hf = models.tiny_qwen3_moe(seed=32)
     bridge, model, path = _megatron_from_hf(hf, tmp_path)

@@ -22,8 +22,9 @@ CTX = mp.get_context("spawn")
 class EngineProc:
     def __init__(self, *, mxfp8: bool = True, transactional: bool = False, timeout_s: float = 20.0):
         self.conn, child = CTX.Pipe()
-        self.proc = CTX.Process(target=serve_tiny, args=(child, "moe", mxfp8, timeout_s),
-                                kwargs={"transactional": transactional}, daemon=True)
+        self.proc = CTX.Process(
+            target=serve_tiny, args=(child, "moe", mxfp8, timeout_s), kwargs={"transactional": transactional}, daemon=True
+        )
         self.proc.start()
         assert self.conn.poll(120), "engine did not start"
         hello = self.conn.recv()

@@ -45,10 +45,15 @@ def require(module: str) -> None:
 
 def run_example(tmp_path, *args: str) -> dict:
     out = tmp_path / f"trl-{'-'.join(a.lstrip('-') for a in args)}.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
-           "VLLM_CPU_KVCACHE_SPACE": "1"}
-    proc = subprocess.run([sys.executable, EXAMPLE, "--steps", str(STEPS), *args, "--workdir", str(tmp_path),
-                           "--json", str(out)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), "VLLM_CPU_KVCACHE_SPACE": "1"}
+    proc = subprocess.run(
+        [sys.executable, EXAMPLE, "--steps", str(STEPS), *args, "--workdir", str(tmp_path), "--json", str(out)],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, f"trl_grpo.py failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     return json.loads(out.read_text())
 
@@ -64,8 +69,9 @@ def policy_bytes(fmt: str) -> int:
 
 def check_refits(result: dict, fmt: str) -> None:
     assert [s["step"] for s in result["steps"]] == list(range(1, STEPS + 1))
-    assert [s.get("mxrefit/version") for s in result["steps"]] == list(range(1, STEPS + 1)), \
+    assert [s.get("mxrefit/version") for s in result["steps"]] == list(range(1, STEPS + 1)), (
         "every step samples from a refit of that step's weights"
+    )
     refits = result["refits"]
     assert [r["version"] for r in refits] == list(range(1, STEPS + 2)), "4 steps + the final weights"
     assert {r["transport"] for r in refits} == {"direct"}
@@ -139,6 +145,8 @@ def test_unsupported_settings_are_refused_before_vllm_starts(tmp_path):
 
 
 def test_importing_the_integration_needs_neither_trl_nor_vllm():
-    code = ("import sys; import mxrefit.integrations.trl as t; "
-            "assert 'trl' not in sys.modules and 'vllm' not in sys.modules, sorted(sys.modules)")
+    code = (
+        "import sys; import mxrefit.integrations.trl as t; "
+        "assert 'trl' not in sys.modules and 'vllm' not in sys.modules, sorted(sys.modules)"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": ROOT})

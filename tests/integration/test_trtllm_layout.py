@@ -26,8 +26,40 @@ vllm_mx = pytest.importorskip("vllm.model_executor.layers.quantization.utils.mxf
 pytestmark = pytest.mark.vllm
 
 # FlashInfer 0.6.13 flashinfer/utils.py: source row s of a 32-row block goes to row MAP[s].
-_FI_BLK32_MAP = [0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27,
-                 4, 12, 20, 28, 5, 13, 21, 29, 6, 14, 22, 30, 7, 15, 23, 31]
+_FI_BLK32_MAP = [
+    0,
+    8,
+    16,
+    24,
+    1,
+    9,
+    17,
+    25,
+    2,
+    10,
+    18,
+    26,
+    3,
+    11,
+    19,
+    27,
+    4,
+    12,
+    20,
+    28,
+    5,
+    13,
+    21,
+    29,
+    6,
+    14,
+    22,
+    30,
+    7,
+    15,
+    23,
+    31,
+]
 
 
 def fi_shuffle_rows(m: int) -> torch.Tensor:
@@ -153,6 +185,11 @@ def test_triton_layout_kernels_under_the_interpreter_equal_vllm():
     import subprocess
     import sys
 
-    run = subprocess.run([sys.executable, "-c", _INTERPRETED, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))],
-                         env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=900)
+    run = subprocess.run(
+        [sys.executable, "-c", _INTERPRETED, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert run.returncode == 0 and "ok" in run.stdout, run.stdout[-2000:] + run.stderr[-3000:]

@@ -21,7 +21,7 @@ from tests.helpers import vllm_fakes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-_PROBE = r'''
+_PROBE = r"""
 import json
 import torch
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
@@ -58,7 +58,7 @@ out["staged_bias"] = vllm_compat.unstaged_meta_tensors(linear, {"weight": linear
 out["replay_on_reload"] = vllm_compat.replays_expert_post_load(UnquantizedFusedMoEMethod(), True)
 out["replay_on_first_build"] = vllm_compat.replays_expert_post_load(UnquantizedFusedMoEMethod(), False)
 print("PROBE" + json.dumps(out))
-'''
+"""
 
 
 def _probe(tmp_path, name: str) -> dict:
@@ -66,7 +66,7 @@ def _probe(tmp_path, name: str) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, ROOT])}
     proc = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("PROBE"))[len("PROBE"):])
+    return json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("PROBE"))[len("PROBE") :])
 
 
 @pytest.mark.parametrize("name", sorted(vllm_fakes.RELOAD_SHAPES))

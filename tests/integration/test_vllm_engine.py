@@ -75,8 +75,7 @@ def test_per_expert_trainer_names_land_identically(moe_engine, tmp_path):
     per_expert = load_file(os.path.join(tmp_path, "model.safetensors"))
     assert any(".mlp.experts.3.up_proj.weight" in n for n in per_expert)
     kernel = []
-    for experts, weights in (("grouped", {n: p.detach() for n, p in trainer.named_parameters()}),
-                             ("per_expert", per_expert)):
+    for experts, weights in (("grouped", {n: p.detach() for n, p in trainer.named_parameters()}), ("per_expert", per_expert)):
         info = llm.collective_rpc("mxrefit_init", kwargs={"experts": experts})[0]
         sender = Sender(info["address"], bytes.fromhex(info["token"]))
         try:

@@ -40,8 +40,18 @@ def _variants() -> list[tuple[str, ModelShape]]:
     extra = [
         replace(BUILTIN["tiny-qwen3-moe"], name="tiny-tied", tied_embeddings=True),
         ModelShape("tiny-dense", hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32, vocab=512, intermediate=256),
-        ModelShape("tiny-llama", hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32, vocab=512, intermediate=256,
-                   arch="llama", tied_embeddings=True),
+        ModelShape(
+            "tiny-llama",
+            hidden=128,
+            layers=2,
+            heads=4,
+            kv_heads=2,
+            head_dim=32,
+            vocab=512,
+            intermediate=256,
+            arch="llama",
+            tied_embeddings=True,
+        ),
         BUILTIN["qwen3-235b-a22b-ep8"],
     ]
     return [(s.name, s) for s in base + extra]
@@ -175,13 +185,29 @@ def _fp8_variants() -> list[tuple[str, ModelShape]]:
     The ``ragged`` shapes have N and K that are not multiples of 128 (hidden 320: o_proj, down_proj
     and each expert's w2 rows, qkv/gate_up/w13 columns), so tiles at the edges are partial and an
     expert's scale rows do not follow from its value rows by division alone."""
-    return [(s.name, s) for s in (
-        BUILTIN["tiny-qwen3-moe"], BUILTIN["qwen3-30b-a3b"], BUILTIN["qwen3-235b-a22b-ep8"], BUILTIN["qwen3-32b"],
-        replace(BUILTIN["tiny-qwen3-moe"], name="tiny-tied", tied_embeddings=True),
-        ModelShape("ragged-dense", hidden=320, layers=2, heads=4, kv_heads=2, head_dim=64, vocab=512, intermediate=384),
-        ModelShape("ragged-moe", hidden=320, layers=2, heads=4, kv_heads=2, head_dim=64, vocab=512, intermediate=0,
-                   experts=4, moe_intermediate=128),
-    )]
+    return [
+        (s.name, s)
+        for s in (
+            BUILTIN["tiny-qwen3-moe"],
+            BUILTIN["qwen3-30b-a3b"],
+            BUILTIN["qwen3-235b-a22b-ep8"],
+            BUILTIN["qwen3-32b"],
+            replace(BUILTIN["tiny-qwen3-moe"], name="tiny-tied", tied_embeddings=True),
+            ModelShape("ragged-dense", hidden=320, layers=2, heads=4, kv_heads=2, head_dim=64, vocab=512, intermediate=384),
+            ModelShape(
+                "ragged-moe",
+                hidden=320,
+                layers=2,
+                heads=4,
+                kv_heads=2,
+                head_dim=64,
+                vocab=512,
+                intermediate=0,
+                experts=4,
+                moe_intermediate=128,
+            ),
+        )
+    ]
 
 
 @pytest.mark.parametrize("fmt", FP8_FORMATS)
@@ -226,12 +252,18 @@ def test_fp8_block_hand_offsets_qwen3_30b():
     assert k == (Target(qkv, 32 * 128 * h, (512, h), F8), Target(qkv + "_scale_inv", 32 * 16 * 4, (4, 16), F32))
     assert d[f"{l5}.self_attn.v_proj.weight"].targets[1].offset == (32 + 4) * 16 * 4
     up3 = d[f"{l5}.mlp.experts.3.up_proj.weight"].targets
-    assert up3 == (Target(w13, (3 * 2 * i_ + i_) * h, (i_, h), F8), Target(w13 + "_scale_inv", (3 * 12 + 6) * 16 * 4, (6, 16), F32))
+    assert up3 == (
+        Target(w13, (3 * 2 * i_ + i_) * h, (i_, h), F8),
+        Target(w13 + "_scale_inv", (3 * 12 + 6) * 16 * 4, (6, 16), F32),
+    )
     down5 = d[f"{l5}.mlp.experts.5.down_proj.weight"].targets
     assert down5 == (Target(w2, 5 * h * i_, (h, i_), F8), Target(w2 + "_scale_inv", 5 * 16 * 6 * 4, (16, 6), F32))
     gu = vllm_destinations(shape, fmt="fp8-block-ue8m0", experts="grouped")[f"{l5}.mlp.experts.gate_up_proj"]
     assert gu.format == "fp8-block-ue8m0"
-    assert [(t.param, t.offset, t.shape) for t in gu.targets] == [(w13, 0, (128, 2 * i_, h)), (w13 + "_scale_inv", 0, (128, 12, 16))]
+    assert [(t.param, t.offset, t.shape) for t in gu.targets] == [
+        (w13, 0, (128, 2 * i_, h)),
+        (w13 + "_scale_inv", 0, (128, 12, 16)),
+    ]
 
 
 def test_fp8_block_rules_keep_layers_bf16():
@@ -287,8 +319,16 @@ def _fp8_config(kind: str):
     expert intermediate 128; hidden 320 is 2.5 tiles."""
     from transformers import Qwen3Config, Qwen3MoeConfig
 
-    common = dict(hidden_size=320, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                  vocab_size=128, intermediate_size=384, tie_word_embeddings=False)
+    common = dict(
+        hidden_size=320,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=128,
+        intermediate_size=384,
+        tie_word_embeddings=False,
+    )
     if kind == "moe":
         cfg = Qwen3MoeConfig(moe_intermediate_size=128, num_experts=3, num_experts_per_tok=2, **common)
     else:
@@ -305,8 +345,15 @@ def _tiny_config(kind: str, tied: bool):
     """Small configs whose every K is a multiple of 32 and whose vocab needs no padding."""
     from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
-    common = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  vocab_size=128, intermediate_size=96, tie_word_embeddings=tied)
+    common = dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        intermediate_size=96,
+        tie_word_embeddings=tied,
+    )
     if kind == "moe":
         cfg = Qwen3MoeConfig(head_dim=32, moe_intermediate_size=32, num_experts=3, num_experts_per_tok=2, **common)
     elif kind == "dense":
@@ -325,8 +372,10 @@ def _checkpoint_tensors(shape: ModelShape, case: dict, seed: int) -> tuple[dict[
 
     gen = torch.Generator().manual_seed(seed)
     dests = vllm_destinations(shape, mxfp8=case.get("mxfp8", False), fmt=case.get("fmt"), experts=case["experts"])
-    quantize = {"mxfp8": lambda x: mxfp8.quantize(x, backend="torch"),
-                "fp8-block": lambda x: fp8_block.quantize(x, backend="torch")}
+    quantize = {
+        "mxfp8": lambda x: mxfp8.quantize(x, backend="torch"),
+        "fp8-block": lambda x: fp8_block.quantize(x, backend="torch"),
+    }
     sent: dict[str, torch.Tensor] = {}
     for name, shp, dtype in hf_tensor_specs(shape, experts=case["experts"]):
         x = (torch.randn(shp, generator=gen) * 0.05).to(dtype)
@@ -362,12 +411,21 @@ def _child(out_path: str) -> None:
         cfg.save_pretrained(d)
         quant = None
         if case.get("mxfp8"):
-            quant = {"quant_method": "modelopt_mxfp8", "quantization": {
-                "quant_algo": "MXFP8", "kv_cache_quant_algo": None,
-                "exclude_modules": ["lm_head", "model.layers.*.mlp.gate"]}}
+            quant = {
+                "quant_method": "modelopt_mxfp8",
+                "quantization": {
+                    "quant_algo": "MXFP8",
+                    "kv_cache_quant_algo": None,
+                    "exclude_modules": ["lm_head", "model.layers.*.mlp.gate"],
+                },
+            }
         elif case.get("fmt") == "fp8-block":  # Fp8Config matches ignored_layers exactly: every router by name
-            quant = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
-                     "ignored_layers": [f"model.layers.{i}.mlp.gate" for i in range(cfg.num_hidden_layers)]}
+            quant = {
+                "quant_method": "fp8",
+                "activation_scheme": "dynamic",
+                "weight_block_size": [128, 128],
+                "ignored_layers": [f"model.layers.{i}.mlp.gate" for i in range(cfg.num_hidden_layers)],
+            }
         if quant is not None:
             path = os.path.join(d, "config.json")
             with open(path) as f:
@@ -375,12 +433,18 @@ def _child(out_path: str) -> None:
             raw["quantization_config"] = quant
             with open(path, "w") as f:
                 json.dump(raw, f)
-        vc = EngineArgs(model=d, skip_tokenizer_init=True, load_format="dummy", dtype="bfloat16",
-                        enforce_eager=True, max_model_len=128).create_engine_config()
+        vc = EngineArgs(
+            model=d, skip_tokenizer_init=True, load_format="dummy", dtype="bfloat16", enforce_eager=True, max_model_len=128
+        ).create_engine_config()
         with set_current_vllm_config(vc):
             if n == 0:
-                init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                             distributed_init_method=f"file://{os.path.join(work, 'dist')}")
+                init_distributed_environment(
+                    world_size=1,
+                    rank=0,
+                    local_rank=0,
+                    backend="gloo",
+                    distributed_init_method=f"file://{os.path.join(work, 'dist')}",
+                )
                 initialize_model_parallel(1, 1)
             with set_default_torch_dtype(torch.bfloat16):
                 model = initialize_model(vc)
@@ -395,11 +459,17 @@ def _child(out_path: str) -> None:
             if dest.format != "bf16":
                 sources.append(sent[name + QUANT_LAYOUTS[dest.format].scale_suffix])
             for t, src in zip(dest.targets, sources):
-                got = flat[t.param][t.offset:t.offset + t.nbytes]
+                got = flat[t.param][t.offset : t.offset + t.nbytes]
                 if not torch.equal(got, src.contiguous().reshape(-1).view(torch.uint8)):
                     mismatched.append(f"{name} -> {t.param}@{t.offset}")
-        results.append({"case": case, "named": named, "mismatched": mismatched,
-                        "tied_same": bool(case["tied"]) and model.lm_head.weight is model.model.embed_tokens.weight})
+        results.append(
+            {
+                "case": case,
+                "named": named,
+                "mismatched": mismatched,
+                "tied_same": bool(case["tied"]) and model.lm_head.weight is model.model.embed_tokens.weight,
+            }
+        )
     shutil.rmtree(work, ignore_errors=True)
     with open(out_path, "w") as f:
         json.dump(results, f)
@@ -420,8 +490,11 @@ def real_vllm() -> list[dict]:
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("index", range(len(_CASES)),
-                         ids=[f"{c['kind']}-{'mxfp8' if c['mxfp8'] else 'bf16'}-{c['experts']}{'-tied' if c['tied'] else ''}" for c in _CASES])
+@pytest.mark.parametrize(
+    "index",
+    range(len(_CASES)),
+    ids=[f"{c['kind']}-{'mxfp8' if c['mxfp8'] else 'bf16'}-{c['experts']}{'-tied' if c['tied'] else ''}" for c in _CASES],
+)
 def test_matches_real_vllm_model(real_vllm, index):
     res = real_vllm[index]
     case = res["case"]

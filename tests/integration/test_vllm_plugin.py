@@ -24,7 +24,7 @@ from tests.helpers import vllm_fakes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-_PROBE = r'''
+_PROBE = r"""
 import json, logging, sys
 records = []
 class Keep(logging.Handler):
@@ -91,7 +91,7 @@ if all(out["registered"]):
             out["worker_address_matches"] = worker.parse_init_info(client.init_info).address == client.init_info["address"]
     out["driven"] = driven
 print("PROBE" + json.dumps(out))
-'''
+"""
 
 
 def _probe(tmp_path, shape: dict, style: str = "init-info") -> dict:
@@ -101,15 +101,18 @@ def _probe(tmp_path, shape: dict, style: str = "init-info") -> dict:
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = [x for x in proc.stdout.splitlines() if x.startswith("PROBE")]
     assert line, proc.stdout[-2000:] + proc.stderr[-2000:]
-    return json.loads(line[0][len("PROBE"):])
+    return json.loads(line[0][len("PROBE") :])
 
 
 @pytest.mark.parametrize("name", sorted(vllm_fakes.SHAPES))
 def test_each_released_interface_registers_and_carries_a_refit_round_trip(tmp_path, name):
     out = _probe(tmp_path, vllm_fakes.SHAPES[name], "positional-backend" if name == "0.26" else "init-info")
     assert out["warnings"] == [] and out["registered"] == [True, True]
-    assert out["rank0"] == {"calls": ["init_weight_transfer_engine", "start_weight_update", "update_weights",
-                                      "finish_weight_update"], "sender": True, "specs": ["weight", "bias"]}
+    assert out["rank0"] == {
+        "calls": ["init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update"],
+        "sender": True,
+        "specs": ["weight", "bias"],
+    }
     # a non-sender rank still drives the source (its collectives) and never touches the client
     assert out["rank1"] == {"calls": [], "sender": False, "specs": []}
     assert out["driven"] == [["weight", "bias"], ["weight", "bias"]]
@@ -160,7 +163,8 @@ def test_the_fake_of_the_installed_vllm_has_its_signatures(tmp_path):
     name = _shape_of_installed()
     root = vllm_fakes.write_fake(str(tmp_path), vllm_fakes.SHAPES[name])
     spec = importlib.util.spec_from_file_location(
-        "fake_base", os.path.join(root, "vllm", "distributed", "weight_transfer", "base.py"))
+        "fake_base", os.path.join(root, "vllm", "distributed", "weight_transfer", "base.py")
+    )
     fake = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fake)
     from vllm.distributed.weight_transfer import base as real
@@ -168,11 +172,15 @@ def test_the_fake_of_the_installed_vllm_has_its_signatures(tmp_path):
     def params(fn) -> list[tuple[str, object, bool]]:
         return [(p.name, p.kind, p.default is p.empty) for p in inspect.signature(fn).parameters.values()]
 
-    for cls, method in [("TrainerWeightTransferEngine", "__init__"), ("TrainerWeightTransferEngine", "trainer_init"),
-                        ("WeightTransferEngine", "__init__")]:
+    for cls, method in [
+        ("TrainerWeightTransferEngine", "__init__"),
+        ("TrainerWeightTransferEngine", "trainer_init"),
+        ("WeightTransferEngine", "__init__"),
+    ]:
         assert params(getattr(getattr(real, cls), method)) == params(getattr(getattr(fake, cls), method)), (cls, method)
     for cls in ("TrainerWeightTransferEngine", "WeightTransferEngine"):
         assert getattr(real, cls).__abstractmethods__ == getattr(fake, cls).__abstractmethods__, cls
         assert len(getattr(real, cls).__parameters__) == len(getattr(fake, cls).__parameters__), cls
-    assert isinstance(inspect.getattr_static(real.ModuleSource, "metadata"), type(
-        inspect.getattr_static(fake.ModuleSource, "metadata")))
+    assert isinstance(
+        inspect.getattr_static(real.ModuleSource, "metadata"), type(inspect.getattr_static(fake.ModuleSource, "metadata"))
+    )

@@ -37,15 +37,15 @@ def test_235b_at_tp8_with_expert_parallelism_gives_the_ep8_share_on_every_rank()
 
 def test_30b_at_tp2_slices_experts_per_expert():
     whole = BUILTIN["qwen3-30b-a3b"]
-    share = replace(whole, name="qwen3-30b-a3b-tp2", heads=16, kv_heads=2, vocab=whole.vocab // 2,
-                    moe_intermediate=384, tp_share=2)
+    share = replace(
+        whole, name="qwen3-30b-a3b-tp2", heads=16, kv_heads=2, vocab=whole.vocab // 2, moe_intermediate=384, tp_share=2
+    )
     _rank_shapes_match(whole, share, tp=2, ep=False)
 
 
 def test_dense_32b_at_tp4():
     whole = BUILTIN["qwen3-32b"]
-    share = replace(whole, name="qwen3-32b-tp4", heads=16, kv_heads=2, vocab=whole.vocab // 4,
-                    intermediate=6400, tp_share=4)
+    share = replace(whole, name="qwen3-32b-tp4", heads=16, kv_heads=2, vocab=whole.vocab // 4, intermediate=6400, tp_share=4)
     _rank_shapes_match(whole, share, tp=4, ep=False, mxfp8=False)
 
 

@@ -67,8 +67,7 @@ def _connect(llm, experts: str, **sender_kwargs) -> BroadcastSender:
     infos = worker_results(llm.collective_rpc("mxrefit_init", kwargs={"experts": experts}))
     assert [(i["tp_rank"], i["tp_size"]) for i in infos] == [(r, TP) for r in range(TP)]
     assert all(i["slow_path"] == 0 for i in infos) and len({i["address"] for i in infos}) == TP
-    return BroadcastSender(rank_endpoints(infos), bucket_bytes=128 << 10, timeout_s=60, rendezvous_timeout_s=60,
-                           **sender_kwargs)
+    return BroadcastSender(rank_endpoints(infos), bucket_bytes=128 << 10, timeout_s=60, rendezvous_timeout_s=60, **sender_kwargs)
 
 
 def _weights(model) -> dict[str, torch.Tensor]:
@@ -93,8 +92,9 @@ def _narrow(whole: torch.Tensor, shard: Shard | None) -> torch.Tensor:
     return torch.cat([whole.narrow(shard.dim, a, b - a) for a, b, _ in pieces], shard.dim)
 
 
-def _kernel_mismatches(llm, trainer, sender: BroadcastSender, *, mxfp8: bool, repacked: str | None = None,
-                       expert_parallel: bool = False) -> tuple[list[str], int]:
+def _kernel_mismatches(
+    llm, trainer, sender: BroadcastSender, *, mxfp8: bool, repacked: str | None = None, expert_parallel: bool = False
+) -> tuple[list[str], int]:
     """(params whose kernel bytes differ from the rank's slice of the trainer's, params compared).
 
     A kernel param is compared where vLLM serves it in the checkpoint's shape: BF16 params as
@@ -254,8 +254,7 @@ def test_tp2_expert_parallel_ranks_hold_whole_experts_and_receive_their_bytes(tp
         for step in range(2):
             vm.train_steps(trainer, 4, seed=40 + step)
             assert refit_while(_serve(llm), sender, _weights(trainer), until_shutdown=True).version == step + 1
-            bad, compared = _kernel_mismatches(llm, trainer, sender, mxfp8=False, repacked="routed_experts",
-                                               expert_parallel=True)
+            bad, compared = _kernel_mismatches(llm, trainer, sender, mxfp8=False, repacked="routed_experts", expert_parallel=True)
             assert bad == [] and compared == TP * (3 + 2 * 7), (bad, compared)
         before = llm.collective_rpc("mxrefit_kernel_state")
         refit_while(_serve(llm), sender, _weights(trainer), until_shutdown=True)
@@ -303,8 +302,9 @@ def test_tp2_dense_mxfp8_refits_land_vllms_own_dequantization_of_each_slice(tp_m
 def _rank_live(shape: ModelShape, rank: int, **kw) -> dict:
     """What a rank's checkpoint-format metadata holds when it is exactly vllm_shards' slice."""
     params = vllm_params(shape, mxfp8=kw.get("mxfp8", False))
-    shards = vllm_shards(shape, mxfp8=kw.get("mxfp8", False), tp_rank=rank, tp_size=kw.get("size", TP),
-                         expert_parallel=kw.get("ep", False))
+    shards = vllm_shards(
+        shape, mxfp8=kw.get("mxfp8", False), tp_rank=rank, tp_size=kw.get("size", TP), expert_parallel=kw.get("ep", False)
+    )
     return {n: (shards[n].local_shape(s.shape) if n in shards else s.shape, s.dtype, "Linear") for n, s in params.items()}
 
 
@@ -331,8 +331,10 @@ def test_a_block_fp8_rank_is_refused_by_format():
     live[qkv] = (live[qkv][0], torch.float8_e4m3fn, "QKVParallelLinear")
     live[f"{qkv}_scale_inv"] = ((1, 1), torch.float32, "QKVParallelLinear")
     *_, problems = _sharded_tables(shape, live, "per_expert", TensorParallelRank(0, TP))
-    assert problems == [f"{shape.name}: the rank holds fp8-block weights, whose tensor-parallel slices are not "
-                        "modelled (only bf16 and mxfp8 weights can be held in slices)"]
+    assert problems == [
+        f"{shape.name}: the rank holds fp8-block weights, whose tensor-parallel slices are not "
+        "modelled (only bf16 and mxfp8 weights can be held in slices)"
+    ]
 
 
 def test_parallel_layouts_that_are_not_modelled_are_refused():
@@ -347,8 +349,7 @@ def test_parallel_layouts_that_are_not_modelled_are_refused():
     with pytest.raises(VllmSetupError, match="data_parallel_size"):
         tensor_parallel_rank(config(tensor_parallel_size=2, data_parallel_size=2))
     with pytest.raises(VllmSetupError, match="round_robin"):
-        tensor_parallel_rank(config(tensor_parallel_size=2, enable_expert_parallel=True,
-                                    expert_placement_strategy="round_robin"))
+        tensor_parallel_rank(config(tensor_parallel_size=2, enable_expert_parallel=True, expert_placement_strategy="round_robin"))
 
 
 def test_worker_addresses():

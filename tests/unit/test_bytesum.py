@@ -57,21 +57,20 @@ def _numpy_sums(views: list[torch.Tensor]) -> tuple[int, int]:
 def test_the_triton_kernel_gives_the_torch_and_numpy_sums_exactly():
     seed = 20261203
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-c", _INTERPRETED, str(seed)], env=env, capture_output=True, text=True,
-                         timeout=600)
+    run = subprocess.run([sys.executable, "-c", _INTERPRETED, str(seed)], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.splitlines()[-1])
     g = torch.Generator().manual_seed(seed)
     store = torch.randint(0, 256, (1 << 19,), dtype=torch.uint8, generator=g)
     for at, n, sums in got[:-2]:
-        view = store[at:at + n]
+        view = store[at : at + n]
         assert tuple(sums) == _numpy_sums([view]) == ByteSum([view])(), f"region of {n} bytes at {at}"
     ones = torch.full((1 << 20,), 255, dtype=torch.uint8)
     wrapped = _numpy_sums([ones])
     exact_s2 = 0xFFFFFFFF * sum(k % MOD + 1 for k in range(1 << 18))
     assert exact_s2 >= 1 << 64 and wrapped[1] == exact_s2 % (1 << 64), "the 0xff region wraps s2 past 2**64"
     assert tuple(got[-2][1]) == wrapped == ByteSum([ones])()
-    assert tuple(got[-1][1]) == _numpy_sums([store[:100003], store[100003:100003 + 9]])
+    assert tuple(got[-1][1]) == _numpy_sums([store[:100003], store[100003 : 100003 + 9]])
 
 
 @pytest.mark.parametrize("change", ["flip", "swap", "move"])

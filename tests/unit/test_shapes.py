@@ -54,12 +54,14 @@ def test_ep8_share_is_one_gpu_of_tp8_ep8():
 def _tiny_configs():
     from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
-    common = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  vocab_size=128, intermediate_size=96)
+    common = dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128, intermediate_size=96
+    )
     return {
         "qwen3_moe": Qwen3MoeConfig(head_dim=16, moe_intermediate_size=32, num_experts=3, num_experts_per_tok=2, **common),
-        "qwen3_moe_tied": Qwen3MoeConfig(head_dim=16, moe_intermediate_size=32, num_experts=3, num_experts_per_tok=2,
-                                         tie_word_embeddings=True, **common),
+        "qwen3_moe_tied": Qwen3MoeConfig(
+            head_dim=16, moe_intermediate_size=32, num_experts=3, num_experts_per_tok=2, tie_word_embeddings=True, **common
+        ),
         "qwen3": Qwen3Config(head_dim=16, **common),
         "qwen3_tied": Qwen3Config(head_dim=16, tie_word_embeddings=True, **common),
         "llama": LlamaConfig(**common),
@@ -102,8 +104,11 @@ def test_per_expert_equals_checkpoint_keys(key):
             base = n.removesuffix("down_proj")
             e_n, h, i_ = s
             for e in range(e_n):
-                expanded += [(f"{base}{e}.gate_proj.weight", (i_, h), d), (f"{base}{e}.up_proj.weight", (i_, h), d),
-                             (f"{base}{e}.down_proj.weight", (h, i_), d)]
+                expanded += [
+                    (f"{base}{e}.gate_proj.weight", (i_, h), d),
+                    (f"{base}{e}.up_proj.weight", (i_, h), d),
+                    (f"{base}{e}.down_proj.weight", (h, i_), d),
+                ]
             continue
         expanded.append((n, s, d))
     assert per_expert == expanded

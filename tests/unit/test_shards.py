@@ -78,25 +78,33 @@ def test_mxfp8_column_slices_on_whole_blocks_are_accepted():
     check_shards(*_mxfp8_tables(Shard(0, 32, ((32, 64, 0),)), Shard(0, 32, ((32, 64, 0),))))
 
 
-@pytest.mark.parametrize("values, scales, rule", [
-    (Shard(1, 48, ((16, 64, 0),)), Shard(1, 1, ((0, 1, 0),)), "multiples of 32"),
-    (Shard(1, 64, ((64, 128, 0),)), None, "sliced together"),
-    (Shard(1, 64, ((64, 128, 0),)), Shard(1, 2, ((0, 2, 0),)), "does not match"),
-    (Shard(0, 32, ((0, 32, 0),)), Shard(0, 32, ((32, 64, 0),)), "does not match"),
-], ids=["off-block", "scales-whole", "scales-elsewhere", "rows-differ"])
+@pytest.mark.parametrize(
+    "values, scales, rule",
+    [
+        (Shard(1, 48, ((16, 64, 0),)), Shard(1, 1, ((0, 1, 0),)), "multiples of 32"),
+        (Shard(1, 64, ((64, 128, 0),)), None, "sliced together"),
+        (Shard(1, 64, ((64, 128, 0),)), Shard(1, 2, ((0, 2, 0),)), "does not match"),
+        (Shard(0, 32, ((0, 32, 0),)), Shard(0, 32, ((32, 64, 0),)), "does not match"),
+    ],
+    ids=["off-block", "scales-whole", "scales-elsewhere", "rows-differ"],
+)
 def test_mxfp8_slices_that_would_need_requantizing_are_refused(values, scales, rule):
     with pytest.raises(ValueError, match=rule) as err:
         check_shards(*_mxfp8_tables(values, scales))
     assert "'w'" in str(err.value)
 
 
-@pytest.mark.parametrize("shard, rule", [
-    (Shard(2, 4, ((0, 4, 0),)), "not a dim"),
-    (Shard(0, 8, ((60, 68, 0),)), "outside dim 0"),
-    (Shard(0, 8, ((0, 4, 0), (8, 16, 2))), "written twice"),
-    (Shard(0, 8, ((0, 4, 0), (8, 12, 5))), "never written"),
-    (Shard(0, 8, ((0, 4, 0),)), "cover 4 of the rank's 8"),
-], ids=["dim", "range", "overlap", "gap", "short"])
+@pytest.mark.parametrize(
+    "shard, rule",
+    [
+        (Shard(2, 4, ((0, 4, 0),)), "not a dim"),
+        (Shard(0, 8, ((60, 68, 0),)), "outside dim 0"),
+        (Shard(0, 8, ((0, 4, 0), (8, 16, 2))), "written twice"),
+        (Shard(0, 8, ((0, 4, 0), (8, 12, 5))), "never written"),
+        (Shard(0, 8, ((0, 4, 0),)), "cover 4 of the rank's 8"),
+    ],
+    ids=["dim", "range", "overlap", "gap", "short"],
+)
 def test_malformed_shards_are_refused_by_name(shard, rule):
     params = {"norm": ParamSpec("norm", (64, 16), torch.bfloat16)}
     with pytest.raises(ValueError, match=rule) as err:
@@ -105,8 +113,12 @@ def test_malformed_shards_are_refused_by_name(shard, rule):
 
 
 def test_slices_of_a_format_without_a_slicing_rule_are_refused():
-    params = {"w": ParamSpec("w", (256, 256), torch.float8_e4m3fn), "w_scale_inv": ParamSpec("w_scale_inv", (2, 2), torch.float32)}
-    dest = Destination("w", "fp8-block", (Target("w", 0, (256, 256), torch.float8_e4m3fn),
-                                          Target("w_scale_inv", 0, (2, 2), torch.float32)))
+    params = {
+        "w": ParamSpec("w", (256, 256), torch.float8_e4m3fn),
+        "w_scale_inv": ParamSpec("w_scale_inv", (2, 2), torch.float32),
+    }
+    dest = Destination(
+        "w", "fp8-block", (Target("w", 0, (256, 256), torch.float8_e4m3fn), Target("w_scale_inv", 0, (2, 2), torch.float32))
+    )
     with pytest.raises(ValueError, match="'w'.*fp8-block"):
         check_shards(params, {"w": dest}, {"w": Shard(0, 128, ((0, 128, 0),))})

@@ -16,9 +16,7 @@ from mxrefit.plan.build import SourceSpec, build_plan
 from mxrefit.plan.shapes import BUILTIN, hf_tensor_specs
 from mxrefit.plan.types import ParamSpec
 
-units_st = st.lists(
-    st.tuples(st.integers(1, 5000), st.integers(0, 20), st.integers(0, 6)), min_size=1, max_size=40
-)
+units_st = st.lists(st.tuples(st.integers(1, 5000), st.integers(0, 20), st.integers(0, 6)), min_size=1, max_size=40)
 
 
 @settings(max_examples=300, deadline=None)
@@ -54,8 +52,7 @@ def test_units_are_processed_once_right_after_their_last_bucket():
     shape, params, dests, plan = _layout_plan(layers=12, bucket_bytes=64 << 10)  # buckets are >= the 2 MB embedding
     seen: list[tuple[int, str]] = []
     clock = {"bucket": -1}
-    units = [StagedUnit(n, (n,), lambda t, n=n: seen.append((clock["bucket"], n)))
-             for n in params if n.endswith("_scale")]
+    units = [StagedUnit(n, (n,), lambda t, n=n: seen.append((clock["bucket"], n))) for n in params if n.endswith("_scale")]
     pool = StagingPool(params, units, torch.device("cpu"))
     pool.place(plan)
     last = {}

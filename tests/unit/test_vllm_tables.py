@@ -26,12 +26,15 @@ def _live(fmt: str, rules: QuantRules = QuantRules()) -> dict:
     return {n: (p.shape, p.dtype, "Layer") for n, p in vllm_params(SHAPE, fmt=fmt, rules=rules).items()}
 
 
-@pytest.mark.parametrize("fmt,fp8_block,want", [
-    ("mxfp8", "fp8-block", "mxfp8"),
-    ("fp8-block", "fp8-block", "fp8-block"),
-    ("fp8-block", "fp8-block-ue8m0", "fp8-block-ue8m0"),  # same engine params, power-of-two scales on the wire
-    ("bf16", "fp8-block", None),
-])
+@pytest.mark.parametrize(
+    "fmt,fp8_block,want",
+    [
+        ("mxfp8", "fp8-block", "mxfp8"),
+        ("fp8-block", "fp8-block", "fp8-block"),
+        ("fp8-block", "fp8-block-ue8m0", "fp8-block-ue8m0"),  # same engine params, power-of-two scales on the wire
+        ("bf16", "fp8-block", None),
+    ],
+)
 @pytest.mark.parametrize("experts", ["per_expert", "grouped"])
 def test_format_is_read_from_the_live_params(fmt, fp8_block, want, experts):
     params, dests, problems = _fast_tables(SHAPE, _live(fmt), experts, fp8_block)
@@ -42,7 +45,11 @@ def test_format_is_read_from_the_live_params(fmt, fp8_block, want, experts):
     q = dests["model.layers.1.self_attn.k_proj.weight"]
     if want and want.startswith("fp8-block"):
         assert [(t.param, t.offset, t.shape, t.dtype) for t in q.targets][1] == (
-            "model.layers.1.self_attn.qkv_proj.weight_scale_inv", 2 * 2 * 4, (1, 2), F32)  # after q's 2 tile rows of 2
+            "model.layers.1.self_attn.qkv_proj.weight_scale_inv",
+            2 * 2 * 4,
+            (1, 2),
+            F32,
+        )  # after q's 2 tile rows of 2
 
 
 def test_layers_kept_bf16_by_the_checkpoint_are_followed():
@@ -68,9 +75,12 @@ def test_mixed_or_unknown_quantization_takes_the_fallback():
 
 def test_fallback_pairs_fp8_block_and_mxfp8_checkpoint_tensors():
     manifest = {
-        "a.weight": ((300, 256), F8), "a.weight_scale_inv": ((3, 2), F32),  # FP8-block
-        "b.weight": ((64, 64), F8), "b.weight_scale": ((64, 2), U8),  # MXFP8
-        "c.weight": ((8, 8), F8), "c.weight_scale": ((1,), F32),  # per-tensor FP8: not a pair of ours
+        "a.weight": ((300, 256), F8),
+        "a.weight_scale_inv": ((3, 2), F32),  # FP8-block
+        "b.weight": ((64, 64), F8),
+        "b.weight_scale": ((64, 2), U8),  # MXFP8
+        "c.weight": ((8, 8), F8),
+        "c.weight_scale": ((1,), F32),  # per-tensor FP8: not a pair of ours
         "norm.weight": ((64,), BF16),
     }
     params, dests = _fallback_tables(manifest, "fp8-block-ue8m0")

@@ -36,7 +36,9 @@ def _ue8m0(s: np.float32) -> np.float32:
     return np.float32(2.0 ** float(np.ceil(np.float32(np.log2(np.float64(s))))))
 
 
-def reference_quantize(x: torch.Tensor, block: tuple[int, int] = (128, 128), use_ue8m0: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def reference_quantize(
+    x: torch.Tensor, block: tuple[int, int] = (128, 128), use_ue8m0: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
     """Return (value bytes uint8 of x.shape, scale_inv float32 [..., ceil(N/bn), ceil(K/bk)])."""
     xf = x.detach().to("cpu", torch.float32).numpy()
     mats = xf.reshape(-1, *xf.shape[-2:])

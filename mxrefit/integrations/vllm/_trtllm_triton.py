@@ -31,8 +31,7 @@ def _row_gather(src, dst, perm, M, K8, N_ROWS, ROWS: tl.constexpr, BLOCK: tl.con
 
 
 @triton.jit
-def _scale_interleave(src, dst, perm, M, C, OUT_PER_E, CP4, N_ROWS, HAS_PERM: tl.constexpr, ROWS: tl.constexpr,
-                      CB: tl.constexpr):
+def _scale_interleave(src, dst, perm, M, C, OUT_PER_E, CP4, N_ROWS, HAS_PERM: tl.constexpr, ROWS: tl.constexpr, CB: tl.constexpr):
     """dst[e, tile(j, c)] = src[e, perm[j], c]: the 128x4 interleave of (row-permuted) scale bytes."""
     pid = tl.program_id(0).to(tl.int64)
     rows = pid * ROWS + tl.arange(0, ROWS)
@@ -46,25 +45,45 @@ def _scale_interleave(src, dst, perm, M, C, OUT_PER_E, CP4, N_ROWS, HAS_PERM: tl
     c = tl.arange(0, CB)
     mask = live[:, None] & (c[None, :] < C)
     b = tl.load(src + (e * M + s)[:, None] * C + c[None, :], mask=mask)
-    off = (j // 128)[:, None] * CP4 * 512 + (c // 4)[None, :] * 512 + (j % 32)[:, None] * 16 \
-        + ((j % 128) // 32)[:, None] * 4 + (c % 4)[None, :]
+    off = (
+        (j // 128)[:, None] * CP4 * 512
+        + (c // 4)[None, :] * 512
+        + (j % 32)[:, None] * 16
+        + ((j % 128) // 32)[:, None] * 4
+        + (c % 4)[None, :]
+    )
     tl.store(dst + e[:, None] * OUT_PER_E + off, b, mask=mask)
 
 
-def row_gather(src: torch.Tensor, dst: torch.Tensor, perm: torch.Tensor, *, rows: int = 4, block: int = 256,
-               num_warps: int = 4) -> None:
+def row_gather(
+    src: torch.Tensor, dst: torch.Tensor, perm: torch.Tensor, *, rows: int = 4, block: int = 256, num_warps: int = 4
+) -> None:
     """``src``/``dst``: contiguous uint8 [E, M, K] with K % 8 == 0; ``perm``: int32/int64 [M]."""
     e, m, k = src.shape
     grid = (triton.cdiv(e * m, rows),)
-    _row_gather[grid](src.view(torch.int64), dst.view(torch.int64), perm, m, k // 8, e * m, ROWS=rows, BLOCK=block,
-                      num_warps=num_warps)
+    _row_gather[grid](
+        src.view(torch.int64), dst.view(torch.int64), perm, m, k // 8, e * m, ROWS=rows, BLOCK=block, num_warps=num_warps
+    )
 
 
-def scale_interleave(src: torch.Tensor, dst: torch.Tensor, perm: torch.Tensor | None, out_per_expert: int, *,
-                     rows: int = 16, num_warps: int = 4) -> None:
+def scale_interleave(
+    src: torch.Tensor, dst: torch.Tensor, perm: torch.Tensor | None, out_per_expert: int, *, rows: int = 16, num_warps: int = 4
+) -> None:
     """``src``: contiguous uint8 [E, M, C]; ``dst``: flat uint8 (E * out_per_expert), padding pre-zeroed."""
     e, m, c = src.shape
     grid = (triton.cdiv(e * m, rows),)
     cp4 = -(-c // 4)
-    _scale_interleave[grid](src, dst, perm if perm is not None else src, m, c, out_per_expert, cp4, e * m,
-                            HAS_PERM=perm is not None, ROWS=rows, CB=triton.next_power_of_2(c), num_warps=num_warps)
+    _scale_interleave[grid](
+        src,
+        dst,
+        perm if perm is not None else src,
+        m,
+        c,
+        out_per_expert,
+        cp4,
+        e * m,
+        HAS_PERM=perm is not None,
+        ROWS=rows,
+        CB=triton.next_power_of_2(c),
+        num_warps=num_warps,
+    )

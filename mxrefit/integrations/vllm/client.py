@@ -35,8 +35,10 @@ def refit_while(serve, sender, tensors, *, specs=None, until_shutdown: bool = Fa
       already ended could not answer.
     """
     if isinstance(sender, BroadcastSender) and not until_shutdown:
-        raise ValueError("a BroadcastSender needs the engine ranks to keep serving after a failed refit: pass "
-                         "until_shutdown=True and serve with mxrefit_receive(refits=None)")
+        raise ValueError(
+            "a BroadcastSender needs the engine ranks to keep serving after a failed refit: pass "
+            "until_shutdown=True and serve with mxrefit_receive(refits=None)"
+        )
     errors: list[BaseException] = []
     result: list[Any] = []
 

@@ -41,16 +41,19 @@ def vllm_version() -> str:
 # ---- what every supported vLLM has --------------------------------------------------------
 # (module, names) the engine uses; the same in 0.26 through 0.34
 _REQUIRED = (
-    ("vllm.model_executor.model_loader.reload",
-     ("initialize_layerwise_reload", "finalize_layerwise_reload")),
-    ("vllm.model_executor.model_loader.reload.layerwise",
-     ("LAYERWISE_INFO", "get_layerwise_info", "_copy_and_restore_kernel_tensors")),
+    ("vllm.model_executor.model_loader.reload", ("initialize_layerwise_reload", "finalize_layerwise_reload")),
+    (
+        "vllm.model_executor.model_loader.reload.layerwise",
+        ("LAYERWISE_INFO", "get_layerwise_info", "_copy_and_restore_kernel_tensors"),
+    ),
     ("vllm.model_executor.model_loader.reload.meta", ("restore_layer_on_meta", "materialize_layer", "SKIP_TENSORS")),
     ("vllm.model_executor.model_loader.reload.utils", ("get_layer_params_buffers",)),
     ("vllm.model_executor.model_loader.reload.types", ("LayerReloadingInfo",)),
     ("vllm.model_executor.layers.quantization.base_config", ("QuantizeMethodBase",)),
-    ("vllm.distributed.parallel_state",
-     ("get_tensor_model_parallel_rank", "get_tensor_model_parallel_world_size", "get_world_group")),
+    (
+        "vllm.distributed.parallel_state",
+        ("get_tensor_model_parallel_rank", "get_tensor_model_parallel_world_size", "get_world_group"),
+    ),
 )
 _RELOAD_INFO_FIELDS = ("restore_metadata", "kernel_tensors", "kernel_non_persistent_buffers", "loaded_weights")
 
@@ -75,7 +78,8 @@ def require_features() -> str:
     if missing:
         raise VllmSetupError(
             f"vLLM {version} lacks what mxrefit's vLLM engine refits through: {', '.join(missing)}. "
-            f"vLLM 0.26 to 0.34 have it (tested: {', '.join(TESTED_VLLM)}); use one of those")
+            f"vLLM 0.26 to 0.34 have it (tested: {', '.join(TESTED_VLLM)}); use one of those"
+        )
     return version
 
 
@@ -115,7 +119,8 @@ def trainer_engine_kwargs(base: type, *, config: Any, is_sender: bool, rank: int
             raise VllmSetupError(
                 f"vLLM {vllm_version()}'s TrainerWeightTransferEngine needs '{name}', which mxrefit does not know "
                 f"(0.26 to 0.34 take config/is_sender/rank); the worker extension path (RefitWorkerExtension) "
-                f"does not use this class")
+                f"does not use this class"
+            )
     return out
 
 
@@ -136,7 +141,8 @@ def source_tensors(source: Any) -> Iterator[tuple[str, torch.Tensor]]:
     if not implements():
         raise VllmSetupError(
             f"{type(source).__name__} yields only local pieces (iter_local); mxrefit's trainer engine sends whole "
-            f"tensors: give the source an iter_full (vLLM {vllm_version()}'s ModuleSource has one)")
+            f"tensors: give the source an iter_full (vLLM {vllm_version()}'s ModuleSource has one)"
+        )
     return source.iter_full()
 
 
@@ -148,8 +154,9 @@ def finish_weight_update(llm: Any, weight_version: str | None) -> None:
     elif weight_version is None:
         llm.finish_weight_update()
     else:
-        raise VllmSetupError(f"vLLM {vllm_version()}'s LLM.finish_weight_update records no weight_version "
-                             f"(0.27 and later do); call it without one")
+        raise VllmSetupError(
+            f"vLLM {vllm_version()}'s LLM.finish_weight_update records no weight_version (0.27 and later do); call it without one"
+        )
 
 
 # ---- layerwise reload ----------------------------------------------------------------------
@@ -212,8 +219,9 @@ def replays_expert_post_load(quant_method: Any, built_before: bool) -> bool:
     """
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
-    return built_before and isinstance(quant_method, UnquantizedFusedMoEMethod) and _setup_runs_expert_post_load(
-        type(quant_method))
+    return (
+        built_before and isinstance(quant_method, UnquantizedFusedMoEMethod) and _setup_runs_expert_post_load(type(quant_method))
+    )
 
 
 @functools.cache

@@ -102,8 +102,7 @@ def _quant_layouts(fp8_block: str) -> tuple[QuantLayout, ...]:
     return MXFP8_LAYOUT, QUANT_LAYOUTS[fp8_block]
 
 
-def _checkpoint_targets(dests: dict[str, Destination], layouts: tuple[QuantLayout, ...]
-                        ) -> dict[str, list[tuple[str, Target]]]:
+def _checkpoint_targets(dests: dict[str, Destination], layouts: tuple[QuantLayout, ...]) -> dict[str, list[tuple[str, Target]]]:
     """{engine param: [(checkpoint tensor name, its target)]}: a quantized destination's second
     target is its scale, named as the checkpoint names it (``x.weight_scale`` / ``_scale_inv``)."""
     by_format = {layout.format: layout for layout in layouts}
@@ -114,8 +113,7 @@ def _checkpoint_targets(dests: dict[str, Destination], layouts: tuple[QuantLayou
     return out
 
 
-def _scale_pairs(specs: dict, candidates: Iterable[str], layouts: tuple[QuantLayout, ...]
-                 ) -> dict[str, tuple[QuantLayout, str]]:
+def _scale_pairs(specs: dict, candidates: Iterable[str], layouts: tuple[QuantLayout, ...]) -> dict[str, tuple[QuantLayout, str]]:
     """{values name: (layout, scale name)} for every E4M3 candidate whose sibling scale has a
     layout's suffix and dtype (uint8 ``_scale``: MXFP8; float32 ``_scale_inv``: FP8-block).
     ``specs`` maps names to tuples whose first two items are shape and dtype."""
@@ -130,8 +128,9 @@ def _scale_pairs(specs: dict, candidates: Iterable[str], layouts: tuple[QuantLay
     return out
 
 
-def _fast_tables(shape: ModelShape, live: dict, experts: str, fp8_block: str = "fp8-block"
-                 ) -> tuple[dict[str, ParamSpec], dict[str, Destination], list[str]]:
+def _fast_tables(
+    shape: ModelShape, live: dict, experts: str, fp8_block: str = "fp8-block"
+) -> tuple[dict[str, ParamSpec], dict[str, Destination], list[str]]:
     """Tables from the known layout, checked against the live checkpoint-format params.
 
     The format is read from the live params too: E4M3 linear weights with uint8 ``_scale``
@@ -174,14 +173,17 @@ def tensor_parallel_rank(vllm_config: Any) -> TensorParallelRank:
     if parallel.pipeline_parallel_size != 1:
         raise VllmSetupError(
             f"this vLLM runs with pipeline parallel size {parallel.pipeline_parallel_size}; mxrefit's vLLM engine "
-            f"needs every worker to hold all layers (PP=1)")
+            f"needs every worker to hold all layers (PP=1)"
+        )
     if parallel.tensor_parallel_size == 1:
         return TensorParallelRank()
     # vLLM flattens MoE tensor parallelism across data and prefill-context parallel ranks
     # (FusedMoEParallelConfig.make), and EPLB or round-robin placement move experts: the
     # slices would no longer be the ones vllm_shards gives
-    unmodelled = {"data_parallel_size": parallel.data_parallel_size,
-                  "prefill_context_parallel_size": parallel.prefill_context_parallel_size}
+    unmodelled = {
+        "data_parallel_size": parallel.data_parallel_size,
+        "prefill_context_parallel_size": parallel.prefill_context_parallel_size,
+    }
     unmodelled = {k: v for k, v in unmodelled.items() if v != 1}
     if parallel.enable_expert_parallel and parallel.enable_eplb:
         unmodelled["enable_eplb"] = True
@@ -190,31 +192,40 @@ def tensor_parallel_rank(vllm_config: Any) -> TensorParallelRank:
     if unmodelled:
         raise VllmSetupError(
             f"this vLLM runs tensor parallel size {parallel.tensor_parallel_size} with {unmodelled}; mxrefit models "
-            f"tensor parallelism alone, with or without expert parallelism in vLLM's default linear placement")
+            f"tensor parallelism alone, with or without expert parallelism in vLLM's default linear placement"
+        )
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
     size = get_tensor_model_parallel_world_size()
     if size != parallel.tensor_parallel_size:
-        raise VllmSetupError(f"vLLM's tensor-parallel group has {size} ranks, its config says "
-                             f"{parallel.tensor_parallel_size}")
+        raise VllmSetupError(f"vLLM's tensor-parallel group has {size} ranks, its config says {parallel.tensor_parallel_size}")
     return TensorParallelRank(get_tensor_model_parallel_rank(), size, bool(parallel.enable_expert_parallel))
 
 
-def _sharded_tables(shape: ModelShape, live: dict, experts: str, tp: TensorParallelRank
-                    ) -> tuple[dict[str, ParamSpec], dict[str, Destination], dict[str, Shard], list[str]]:
+def _sharded_tables(
+    shape: ModelShape, live: dict, experts: str, tp: TensorParallelRank
+) -> tuple[dict[str, ParamSpec], dict[str, Destination], dict[str, Shard], list[str]]:
     """Whole-model tables and this rank's slices, checked against the rank's own checkpoint-format
     params (vLLM records them per rank): every param must be exactly its slice of the whole."""
     pairs = _scale_pairs(live, quantized_param_names(shape), _quant_layouts("fp8-block"))
     sliceless = sorted({layout.format for layout, _ in pairs.values()} - {MXFP8_LAYOUT.format})
     if sliceless:
-        return {}, {}, {}, [f"{shape.name}: the rank holds {sliceless[0]} weights, whose tensor-parallel slices are not "
-                            f"modelled (only bf16 and mxfp8 weights can be held in slices)"]
+        return (
+            {},
+            {},
+            {},
+            [
+                f"{shape.name}: the rank holds {sliceless[0]} weights, whose tensor-parallel slices are not "
+                f"modelled (only bf16 and mxfp8 weights can be held in slices)"
+            ],
+        )
     quantized = list(pairs) or None
     mx = quantized is not None
     params = vllm_params(shape, mxfp8=mx, quantized=quantized)
     dests = vllm_destinations(shape, mxfp8=mx, experts=experts, quantized=quantized)
-    shards = vllm_shards(shape, mxfp8=mx, tp_rank=tp.rank, tp_size=tp.size, expert_parallel=tp.expert_parallel,
-                         quantized=quantized)
+    shards = vllm_shards(
+        shape, mxfp8=mx, tp_rank=tp.rank, tp_size=tp.size, expert_parallel=tp.expert_parallel, quantized=quantized
+    )
     problems = []
     for name, spec in params.items():
         want = shards[name].local_shape(spec.shape) if name in shards else spec.shape
@@ -222,8 +233,10 @@ def _sharded_tables(shape: ModelShape, live: dict, experts: str, tp: TensorParal
         if got is None:
             problems.append(f"{name}: in mxrefit's table but not in the live model")
         elif got[0] != want or got[1] != spec.dtype:
-            problems.append(f"{name}: the rank holds {got[0]} {got[1]}, mxrefit expects {want} {spec.dtype} "
-                            f"(its slice of the whole {spec.shape})")
+            problems.append(
+                f"{name}: the rank holds {got[0]} {got[1]}, mxrefit expects {want} {spec.dtype} "
+                f"(its slice of the whole {spec.shape})"
+            )
     for name, (_, _, kind) in live.items():
         if name not in params and kind not in _NOT_WEIGHTS:
             problems.append(f"{name}: a {kind} parameter the table does not know")
@@ -246,8 +259,16 @@ def _manifest(model_path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]
     return out
 
 
-_ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F8_E4M3": torch.float8_e4m3fn,
-              "U8": torch.uint8, "I8": torch.int8, "I32": torch.int32, "I64": torch.int64}
+_ST_DTYPES = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I32": torch.int32,
+    "I64": torch.int64,
+}
 
 
 def _fallback_tables(manifest: dict, fp8_block: str = "fp8-block") -> tuple[dict[str, ParamSpec], dict[str, Destination]]:
@@ -263,8 +284,11 @@ def _fallback_tables(manifest: dict, fp8_block: str = "fp8-block") -> tuple[dict
             continue
         if name in pairs:
             layout, scale = pairs[name]
-            dests[name] = Destination(name, layout.format, (Target(name, 0, shape, layout.value_dtype),
-                                                            Target(scale, 0, manifest[scale][0], layout.scale_dtype)))
+            dests[name] = Destination(
+                name,
+                layout.format,
+                (Target(name, 0, shape, layout.value_dtype), Target(scale, 0, manifest[scale][0], layout.scale_dtype)),
+            )
         else:
             dests[name] = Destination(name, "bf16", (Target(name, 0, shape, dtype),))
     return params, dests
@@ -319,8 +343,11 @@ def _plain_kernel_tensors(module: torch.nn.Module) -> dict[tuple[str, ...], torc
         for attr, value in vars(owner).items():
             if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
                 out[(*path, attr)] = value
-            elif (hasattr(value, "__dict__") and not isinstance(value, (torch.nn.Module, type))
-                  and type(value).__module__.startswith("vllm.")):
+            elif (
+                hasattr(value, "__dict__")
+                and not isinstance(value, (torch.nn.Module, type))
+                and type(value).__module__.startswith("vllm.")
+            ):
                 visit(value, (*path, attr))
 
     visit(module, ())
@@ -345,8 +372,12 @@ def _keep_plain_kernel_tensors(module: torch.nn.Module, before: dict[tuple[str, 
         else:
             moved.append(".".join(path))
     if moved:
-        log.warning("mxrefit: vLLM's post-load processing re-allocated %s of %s in another shape; a CUDA graph "
-                    "captured before this refit reads the old tensor", ", ".join(moved), type(module).__name__)
+        log.warning(
+            "mxrefit: vLLM's post-load processing re-allocated %s of %s in another shape; a CUDA graph "
+            "captured before this refit reads the old tensor",
+            ", ".join(moved),
+            type(module).__name__,
+        )
 
 
 @contextlib.contextmanager
@@ -371,8 +402,10 @@ def _kept_in_place(model: torch.nn.Module) -> Iterator[None]:
                     moved.append(f"{type(module).__name__}.{name}")
         _keep_plain_kernel_tensors(module, plain)
     if moved:
-        log.warning("mxrefit: vLLM's loader re-allocated %s in another shape; a CUDA graph captured before reads the "
-                    "old tensor", ", ".join(moved))
+        log.warning(
+            "mxrefit: vLLM's loader re-allocated %s in another shape; a CUDA graph captured before reads the old tensor",
+            ", ".join(moved),
+        )
 
 
 def _needs_vllm_processing(module: torch.nn.Module) -> bool:
@@ -405,8 +438,16 @@ class VllmEngine(Engine):
     (``mxrefit.source.broadcast_sender.BroadcastSender``), never by direct writes.
     """
 
-    def __init__(self, model: torch.nn.Module, vllm_config: Any, device: torch.device | str, *,
-                 experts: str = "per_expert", fp8_block: str = "fp8-block", verify: bool | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        vllm_config: Any,
+        device: torch.device | str,
+        *,
+        experts: str = "per_expert",
+        fp8_block: str = "fp8-block",
+        verify: bool | None = None,
+    ):
         """``fp8_block`` is the wire format when vLLM holds block FP8 (``Fp8Config``): "fp8-block"
         (float32 ``amax / 448`` scales, the checkpoint convention) or "fp8-block-ue8m0"
         (power-of-two scales, what vLLM's DeepGEMM path re-quantizes every weight to after
@@ -433,14 +474,18 @@ class VllmEngine(Engine):
         if self.tp.size > 1:
             self._init_rank(live, experts)
             if self.verify:
-                log.warning("mxrefit: vLLM %s, tensor-parallel rank %d: the check against vLLM's own loader runs at "
-                            "TP = 1 only (it needs whole checkpoint tensors); this rank is not checked",
-                            vllm_version(), self.tp.rank)
+                log.warning(
+                    "mxrefit: vLLM %s, tensor-parallel rank %d: the check against vLLM's own loader runs at "
+                    "TP = 1 only (it needs whole checkpoint tensors); this rank is not checked",
+                    vllm_version(),
+                    self.tp.rank,
+                )
             return
         self.slow_path: list[str] = []
         try:
-            shape = ModelShape.from_hf_config(self.model_config.hf_config, name=str(self.model_config.model),
-                                              dtype=self.model_config.dtype)
+            shape = ModelShape.from_hf_config(
+                self.model_config.hf_config, name=str(self.model_config.model), dtype=self.model_config.dtype
+            )
             params, dests, problems = _fast_tables(shape, live, experts, fp8_block)
         except ValueError as err:
             problems = [str(err)]
@@ -449,7 +494,11 @@ class VllmEngine(Engine):
             self.slow_path = list(params)
             log.warning(
                 "mxrefit: %d parameters take vLLM's own loader (slow path): %s%s. Why: %s",
-                len(params), ", ".join(list(params)[:20]), " ..." if len(params) > 20 else "", "; ".join(problems[:5]))
+                len(params),
+                ", ".join(list(params)[:20]),
+                " ..." if len(params) > 20 else "",
+                "; ".join(problems[:5]),
+            )
         self._params = params
         self._destinations = dests
         self.units = self._units(live)
@@ -457,8 +506,9 @@ class VllmEngine(Engine):
         self._post_load_hooks = self._hooks()
         if self.verify and not self.slow_path:
             # checkpoint names (per expert) of every byte range, to feed vLLM's own loader
-            self._checkpoint_targets = _checkpoint_targets(_fast_tables(shape, live, "per_expert", fp8_block)[1],
-                                                           _quant_layouts(fp8_block))
+            self._checkpoint_targets = _checkpoint_targets(
+                _fast_tables(shape, live, "per_expert", fp8_block)[1], _quant_layouts(fp8_block)
+            )
 
     def _init_rank(self, live: dict, experts: str) -> None:
         """A tensor-parallel rank: whole-model tables, its own slices, staging in local shapes.
@@ -471,16 +521,19 @@ class VllmEngine(Engine):
         tp = self.tp
         where = f"tensor-parallel rank {tp.rank} of {tp.size}{' (expert parallel)' if tp.expert_parallel else ''}"
         try:
-            shape = ModelShape.from_hf_config(self.model_config.hf_config, name=str(self.model_config.model),
-                                              dtype=self.model_config.dtype)
+            shape = ModelShape.from_hf_config(
+                self.model_config.hf_config, name=str(self.model_config.model), dtype=self.model_config.dtype
+            )
             params, dests, shards, problems = _sharded_tables(shape, live, experts, tp)
         except ValueError as err:
             problems = [str(err)]
         if problems:
             raise VllmSetupError(
                 f"{where}: mxrefit's slices of the whole model do not match the parameters this rank holds, so "
-                f"this engine cannot be refitted rank by rank: " + "; ".join(problems[:8])
-                + (f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""))
+                f"this engine cannot be refitted rank by rank: "
+                + "; ".join(problems[:8])
+                + (f" (and {len(problems) - 8} more)" if len(problems) > 8 else "")
+            )
         self.slow_path = []
         self._params = params
         self._destinations = dests
@@ -546,8 +599,7 @@ class VllmEngine(Engine):
             for p in unit.attrs.values():
                 flat = tensors[p].reshape(-1).view(torch.uint8)
                 for name, t in self._checkpoint_targets.get(p, ()):
-                    self._checkpoint[name] = flat[t.offset:t.offset + t.nbytes].view(t.dtype).view(t.shape).to(
-                        "cpu", copy=True)
+                    self._checkpoint[name] = flat[t.offset : t.offset + t.nbytes].view(t.dtype).view(t.shape).to("cpu", copy=True)
         module = unit.module
         if _trtllm_moe(module):
             self._trtllm_fast_path(module, staged)
@@ -582,8 +634,9 @@ class VllmEngine(Engine):
         post-load step it skips on a reload (``replays_expert_post_load``)."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-        built = {m: getattr(m.quant_method, "moe_kernel", None) is not None
-                 for m in self.model.modules() if _needs_vllm_processing(m)}
+        built = {
+            m: getattr(m.quant_method, "moe_kernel", None) is not None for m in self.model.modules() if _needs_vllm_processing(m)
+        }
         with _kept_in_place(self.model):
             initialize_layerwise_reload(self.model)
             self.model.load_weights(iter(tensors.items()))
@@ -666,11 +719,13 @@ class VllmEngine(Engine):
             self._refused = (
                 f"vLLM {vllm_version()}: mxrefit's refit differs from vLLM's own loader in {len(bad)} parameters "
                 f"({', '.join(bad[:6])}{' ...' if len(bad) > 6 else ''}); the engine holds vLLM's own result and "
-                f"refuses further refits. mxrefit ran its suites on vLLM {', '.join(TESTED_VLLM)}")
+                f"refuses further refits. mxrefit ran its suites on vLLM {', '.join(TESTED_VLLM)}"
+            )
             log.error("mxrefit: %s. All of them: %s", self._refused, ", ".join(bad))
             raise VllmSetupError(self._refused)
-        log.info("mxrefit: vLLM %s: the first refit equals vLLM's own loader byte for byte (%d parameters)",
-                 vllm_version(), len(mine))
+        log.info(
+            "mxrefit: vLLM %s: the first refit equals vLLM's own loader byte for byte (%d parameters)", vllm_version(), len(mine)
+        )
 
     def after_bucket(self, bucket: int) -> None:
         if self._refused is not None:

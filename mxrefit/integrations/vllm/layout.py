@@ -126,8 +126,9 @@ class QuantLayout:
 
 
 MXFP8_LAYOUT = QuantLayout(FORMAT_MXFP8, "MXFP8", "_scale", mxfp8.VALUE_DTYPE, mxfp8.SCALE_DTYPE, (1, mxfp8.BLOCK), True)
-FP8_BLOCK_LAYOUT = QuantLayout("fp8-block", "FP8-block", "_scale_inv", fp8_block.VALUE_DTYPE, fp8_block.SCALE_DTYPE,
-                               fp8_block.BLOCK, False)
+FP8_BLOCK_LAYOUT = QuantLayout(
+    "fp8-block", "FP8-block", "_scale_inv", fp8_block.VALUE_DTYPE, fp8_block.SCALE_DTYPE, fp8_block.BLOCK, False
+)
 QUANT_LAYOUTS: dict[str, QuantLayout] = {
     q.format: q for q in (MXFP8_LAYOUT, FP8_BLOCK_LAYOUT, replace(FP8_BLOCK_LAYOUT, format="fp8-block-ue8m0"))
 }
@@ -199,8 +200,7 @@ def quantized_param_names(shape: ModelShape, rules: QuantRules = DEFAULT_RULES) 
     return [w.name for w in _linear_params(shape) if not rules.excludes_layer(_layer(w.name), shape.layers)]
 
 
-def _quantized(shape: ModelShape, layout: QuantLayout | None, quantized: Collection[str] | None,
-               rules: QuantRules) -> set[str]:
+def _quantized(shape: ModelShape, layout: QuantLayout | None, quantized: Collection[str] | None, rules: QuantRules) -> set[str]:
     """The values params held quantized: the given subset of the linear weights (a live
     engine's own), else those whose layer ``rules`` quantize."""
     if layout is None:
@@ -264,7 +264,11 @@ def _check(shape: ModelShape, held: set[str], layout: QuantLayout | None) -> Non
 
 
 def vllm_params(
-    shape: ModelShape, *, mxfp8: bool = False, fmt: str | None = None, quantized: Collection[str] | None = None,
+    shape: ModelShape,
+    *,
+    mxfp8: bool = False,
+    fmt: str | None = None,
+    quantized: Collection[str] | None = None,
     rules: QuantRules = DEFAULT_RULES,
 ) -> dict[str, ParamSpec]:
     """Every weight parameter of vLLM's model, by name, in ``named_parameters()`` order.
@@ -330,7 +334,7 @@ def _route(shape: ModelShape, hf_name: str) -> tuple[str, int]:
     hd, mi, im = shape.head_dim, shape.moe_intermediate, shape.intermediate
     if not hf_name.startswith("model.layers."):
         return hf_name, 0
-    layer, _, rest = hf_name[len("model.layers."):].partition(".")
+    layer, _, rest = hf_name[len("model.layers.") :].partition(".")
     p = f"model.layers.{layer}"
     attn = {
         "self_attn.q_proj.weight": 0,
@@ -347,7 +351,7 @@ def _route(shape: ModelShape, hf_name: str) -> tuple[str, int]:
     if rest == "mlp.experts.down_proj":
         return f"{p}.{EXPERTS}.w2_weight", 0
     if rest.startswith("mlp.experts."):
-        e_str, _, proj = rest[len("mlp.experts."):].partition(".")
+        e_str, _, proj = rest[len("mlp.experts.") :].partition(".")
         e = int(e_str)
         if proj == "gate_proj.weight":
             return f"{p}.{EXPERTS}.w13_weight", e * 2 * mi
@@ -360,8 +364,13 @@ def _route(shape: ModelShape, hf_name: str) -> tuple[str, int]:
 
 
 def vllm_destinations(
-    shape: ModelShape, *, mxfp8: bool = False, fmt: str | None = None, experts: str = "per_expert",
-    quantized: Collection[str] | None = None, rules: QuantRules = DEFAULT_RULES,
+    shape: ModelShape,
+    *,
+    mxfp8: bool = False,
+    fmt: str | None = None,
+    experts: str = "per_expert",
+    quantized: Collection[str] | None = None,
+    rules: QuantRules = DEFAULT_RULES,
 ) -> dict[str, Destination]:
     """For each HF tensor of ``hf_tensor_specs(shape, experts=experts)``, where its bytes go.
 
@@ -394,8 +403,12 @@ def vllm_destinations(
             scale_cols = params[sname].shape[-1]
             targets = (
                 Target(param, row * k * layout.value_dtype.itemsize, tuple(src_shape), layout.value_dtype),
-                Target(sname, scale_row * scale_cols * layout.scale_dtype.itemsize, layout.scale_shape(tuple(src_shape)),
-                       layout.scale_dtype),
+                Target(
+                    sname,
+                    scale_row * scale_cols * layout.scale_dtype.itemsize,
+                    layout.scale_shape(tuple(src_shape)),
+                    layout.scale_dtype,
+                ),
             )
             out[name] = Destination(name, layout.format, targets)
         else:
@@ -454,9 +467,15 @@ def _tp_shards(shape: ModelShape, rank: int, size: int, expert_parallel: bool) -
     else:
         kv_head, kv = rank // _even(f"{shape.name}: ranks per KV head", size, shape.kv_heads), hd
     kv_rows = shape.kv_heads * hd
-    qkv = Shard(0, q + 2 * kv, ((rank * q, (rank + 1) * q, 0),
-                                (q_rows + kv_head * kv, q_rows + (kv_head + 1) * kv, q),
-                                (q_rows + kv_rows + kv_head * kv, q_rows + kv_rows + (kv_head + 1) * kv, q + kv)))
+    qkv = Shard(
+        0,
+        q + 2 * kv,
+        (
+            (rank * q, (rank + 1) * q, 0),
+            (q_rows + kv_head * kv, q_rows + (kv_head + 1) * kv, q),
+            (q_rows + kv_rows + kv_head * kv, q_rows + kv_rows + (kv_head + 1) * kv, q + kv),
+        ),
+    )
 
     def rows(n: int, what: str) -> Shard:
         part = _even(what, n, size)
@@ -490,8 +509,16 @@ def _tp_shards(shape: ModelShape, rank: int, size: int, expert_parallel: bool) -
     return out
 
 
-def vllm_shards(shape: ModelShape, *, mxfp8: bool, tp_rank: int, tp_size: int, expert_parallel: bool = False,
-                quantized: Collection[str] | None = None, rules: QuantRules = DEFAULT_RULES) -> dict[str, Shard]:
+def vllm_shards(
+    shape: ModelShape,
+    *,
+    mxfp8: bool,
+    tp_rank: int,
+    tp_size: int,
+    expert_parallel: bool = False,
+    quantized: Collection[str] | None = None,
+    rules: QuantRules = DEFAULT_RULES,
+) -> dict[str, Shard]:
     """What tensor-parallel rank ``tp_rank`` of ``tp_size`` holds of each whole parameter of
     ``vllm_params(shape, mxfp8=mxfp8, quantized=quantized, rules=rules)``; ``expert_parallel``:
     experts whole, split over the ranks.

@@ -75,8 +75,12 @@ def register() -> None:
     except Exception as err:  # noqa: BLE001 - a plugin must never stop vLLM from starting
         for factory in added:
             factory._registry.pop(BACKEND, None)
-        log.warning("mxrefit: not registered with this vLLM (%s), which runs without mxrefit's 'mxrefit' weight-"
-                    "transfer backend: %s: %s", _version_or_broken(), type(err).__name__, err)
+        log.warning(
+            "mxrefit: not registered with this vLLM (%s), which runs without mxrefit's 'mxrefit' weight-transfer backend: %s: %s",
+            _version_or_broken(),
+            type(err).__name__,
+            err,
+        )
         return
 
 
@@ -87,8 +91,9 @@ def _check_backend_classes(worker_cls: type, trainer_cls: type) -> None:
     for cls in (worker_cls, trainer_cls):
         left = unimplemented_abstract_methods(cls)
         if left:
-            raise VllmSetupError(f"vLLM {vllm_version()}'s {cls.__mro__[1].__name__} declares {left}, which "
-                                 f"mxrefit does not implement")
+            raise VllmSetupError(
+                f"vLLM {vllm_version()}'s {cls.__mro__[1].__name__} declares {left}, which mxrefit does not implement"
+            )
     trainer_engine_kwargs(TrainerWeightTransferEngine, config=None, is_sender=True, rank=0)
 
 

@@ -40,9 +40,11 @@ class MxrefitInitInfo(WeightTransferInitInfo):
     timeout_s: float = 120.0
     fp8_block: str = "fp8-block"
 
+
 @dataclass
 class MxrefitUpdateInfo(WeightTransferUpdateInfo):
     """Nothing per round: the plan and buffers travel on mxrefit's own control channel."""
+
 
 # unsubscripted: the generic parameters differ between vLLM versions (0.26's trainer engine
 # takes [TConfig, TInitInfo], later ones [TTrainerInitInfo]) and nothing reads them at run time
@@ -63,12 +65,13 @@ class MxrefitWeightTransferEngine(WeightTransferEngine):
                 raise VllmSetupError(
                     "the 'mxrefit' weight-transfer backend serves one worker at the one address the trainer "
                     "chose; with tensor parallel size > 1 use the worker extension (RefitWorkerExtension: "
-                    "mxrefit_init on every worker) and mxrefit.source.broadcast_sender.BroadcastSender")
+                    "mxrefit_init on every worker) and mxrefit.source.broadcast_sender.BroadcastSender"
+                )
             return
-        engine = VllmEngine(self.model, self.vllm_config, self.device, experts=init_info.experts,
-                            fp8_block=init_info.fp8_block)
-        self.receiver = Receiver(engine, address=init_info.address, token=bytes.fromhex(init_info.token_hex),
-                                 timeout_s=init_info.timeout_s)
+        engine = VllmEngine(self.model, self.vllm_config, self.device, experts=init_info.experts, fp8_block=init_info.fp8_block)
+        self.receiver = Receiver(
+            engine, address=init_info.address, token=bytes.fromhex(init_info.token_hex), timeout_s=init_info.timeout_s
+        )
 
     def start_weight_update(self) -> None:
         if getattr(self, "receiver", None) is None:
@@ -81,8 +84,10 @@ class MxrefitWeightTransferEngine(WeightTransferEngine):
     def finish_weight_update(self) -> None:
         status = self.receiver.status()
         if status["state"] != "ready":
-            raise RuntimeError(f"mxrefit refit did not complete: engine holds version {status['version']}, "
-                               f"state {status['state']}: {status['error']}")
+            raise RuntimeError(
+                f"mxrefit refit did not complete: engine holds version {status['version']}, "
+                f"state {status['state']}: {status['error']}"
+            )
 
     def shutdown(self) -> None:
         receiver = getattr(self, "receiver", None)
@@ -97,6 +102,7 @@ class MxrefitWeightTransferEngine(WeightTransferEngine):
         ``MxrefitTrainerEngine``."""
         raise NotImplementedError("mxrefit sends through MxrefitTrainerEngine.trainer_init(...).send_weights()")
 
+
 @dataclass
 class MxrefitTrainerInitInfo(TrainerInitInfo):
     """Trainer side: the device the trainer's tensors live on, bucket size, expert layout,
@@ -109,6 +115,7 @@ class MxrefitTrainerInitInfo(TrainerInitInfo):
     timeout_s: float = 120.0
     fp8_block: str = "fp8-block"
 
+
 class MxrefitTrainerEngine(TrainerWeightTransferEngine):
     """Plans once from the source's metadata, then each ``send_weights`` streams the source
     (one tensor materialized at a time) while the workers serve ``update_weights``."""
@@ -120,16 +127,28 @@ class MxrefitTrainerEngine(TrainerWeightTransferEngine):
         """``config``: the ``WeightTransferConfig`` vLLM 0.26's factory passes (later ones pass none)."""
         if source is None:
             raise ValueError("the mxrefit backend needs a WeightSource")
-        engine = cls(client=client, source=source, **trainer_engine_kwargs(
-            TrainerWeightTransferEngine, config=config, is_sender=init_info.is_sender, rank=init_info.rank))
+        engine = cls(
+            client=client,
+            source=source,
+            **trainer_engine_kwargs(
+                TrainerWeightTransferEngine, config=config, is_sender=init_info.is_sender, rank=init_info.rank
+            ),
+        )
         engine.sender = None
         if engine.is_sender:
             address, token = private_ipc_address(), new_token()
-            client.init_weight_transfer_engine({"address": address, "token_hex": token.hex(),
-                                                "experts": init_info.experts, "timeout_s": init_info.timeout_s,
-                                                "fp8_block": init_info.fp8_block})
-            engine.sender = Sender(address, token, device=init_info.device, bucket_bytes=init_info.bucket_bytes,
-                                   timeout_s=init_info.timeout_s)
+            client.init_weight_transfer_engine(
+                {
+                    "address": address,
+                    "token_hex": token.hex(),
+                    "experts": init_info.experts,
+                    "timeout_s": init_info.timeout_s,
+                    "fp8_block": init_info.fp8_block,
+                }
+            )
+            engine.sender = Sender(
+                address, token, device=init_info.device, bucket_bytes=init_info.bucket_bytes, timeout_s=init_info.timeout_s
+            )
             engine.specs = [SourceSpec(m.name, tuple(m.shape), m.dtype) for m in source_metadata(source)]
         return engine
 
@@ -139,8 +158,9 @@ class MxrefitTrainerEngine(TrainerWeightTransferEngine):
                 pass
             return
         self.client.start_weight_update()
-        self.last_report = refit_while(lambda: self.client.update_weights({}), self.sender,
-                                       source_tensors(self.source), specs=self.specs)
+        self.last_report = refit_while(
+            lambda: self.client.update_weights({}), self.sender, source_tensors(self.source), specs=self.specs
+        )
         self.client.finish_weight_update()
 
     def shutdown(self) -> None:

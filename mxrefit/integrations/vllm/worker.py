@@ -32,7 +32,8 @@ def worker_address(address: str | None, tp: TensorParallelRank) -> str | None:
     if tp.size > 1 and "{rank}" not in address and not address.endswith(":*"):
         raise VllmSetupError(
             f"address {address!r} would be bound by all {tp.size} tensor-parallel workers; put '{{rank}}' in it "
-            f"or use a tcp address with port '*' (e.g. 'tcp://{{ip}}:*' with allow_remote=True)")
+            f"or use a tcp address with port '*' (e.g. 'tcp://{{ip}}:*' with allow_remote=True)"
+        )
     if "{ip}" in address:
         from vllm.utils.network_utils import get_ip
 
@@ -43,20 +44,48 @@ def worker_address(address: str | None, tp: TensorParallelRank) -> str | None:
 class _WorkerRefit:
     """A Receiver serving one vLLM worker's model; refits are served on the worker's thread."""
 
-    def __init__(self, worker: Any, *, address: str | None, token: bytes | None, experts: str,
-                 timeout_s: float, tcp: bool = False, fp8_block: str = "fp8-block", allow_remote: bool = False,
-                 verify: bool | None = None):
-        engine = VllmEngine(worker.model_runner.get_model(), worker.vllm_config, worker.device, experts=experts,
-                            fp8_block=fp8_block, verify=verify)
+    def __init__(
+        self,
+        worker: Any,
+        *,
+        address: str | None,
+        token: bytes | None,
+        experts: str,
+        timeout_s: float,
+        tcp: bool = False,
+        fp8_block: str = "fp8-block",
+        allow_remote: bool = False,
+        verify: bool | None = None,
+    ):
+        engine = VllmEngine(
+            worker.model_runner.get_model(),
+            worker.vllm_config,
+            worker.device,
+            experts=experts,
+            fp8_block=fp8_block,
+            verify=verify,
+        )
         self.engine = engine
-        self.receiver = Receiver(engine, address=worker_address(address, engine.tp), token=token, timeout_s=timeout_s,
-                                 tcp=tcp, allow_remote=allow_remote)
+        self.receiver = Receiver(
+            engine,
+            address=worker_address(address, engine.tp),
+            token=token,
+            timeout_s=timeout_s,
+            tcp=tcp,
+            allow_remote=allow_remote,
+        )
 
     def info(self) -> dict:
-        return {"address": self.receiver.address, "token": self.receiver.token.hex(),
-                "slow_path": len(self.engine.slow_path), "units": len(self.engine.units),
-                "tp_rank": self.engine.tp.rank, "tp_size": self.engine.tp.size, "amx_safe": amx_safe(),
-                **self.receiver.status()}
+        return {
+            "address": self.receiver.address,
+            "token": self.receiver.token.hex(),
+            "slow_path": len(self.engine.slow_path),
+            "units": len(self.engine.units),
+            "tp_rank": self.engine.tp.rank,
+            "tp_size": self.engine.tp.size,
+            "amx_safe": amx_safe(),
+            **self.receiver.status(),
+        }
 
     def receive(self, refits: int | None = 1) -> dict:
         # serving until "shutdown" (refits=None), a trainer that goes silent for the receiver's
@@ -124,9 +153,17 @@ class RefitWorkerExtension:
     rather than raising (``worker_results`` raises it on the trainer's side)."""
 
     @_answers_on_every_worker
-    def mxrefit_init(self, address: str | None = None, token_hex: str | None = None, experts: str = "per_expert",
-                     timeout_s: float = 120.0, tcp: bool = False, fp8_block: str = "fp8-block",
-                     allow_remote: bool = False, verify: bool | None = None) -> dict:
+    def mxrefit_init(
+        self,
+        address: str | None = None,
+        token_hex: str | None = None,
+        experts: str = "per_expert",
+        timeout_s: float = 120.0,
+        tcp: bool = False,
+        fp8_block: str = "fp8-block",
+        allow_remote: bool = False,
+        verify: bool | None = None,
+    ) -> dict:
         """Build the engine tables and open the control socket; returns its address and token (hex).
         ``fp8_block``: the wire format for a block-FP8 engine; ``verify``: check the first refit
         against vLLM's own loader (default: with ``MXREFIT_VERIFY=1`` or on an untested vLLM;
@@ -139,8 +176,17 @@ class RefitWorkerExtension:
         if getattr(self, "_mxrefit", None) is not None:
             self._mxrefit.close()
         token = bytes.fromhex(token_hex) if token_hex else None
-        self._mxrefit = _WorkerRefit(self, address=address, token=token, experts=experts, timeout_s=timeout_s, tcp=tcp,
-                                     fp8_block=fp8_block, allow_remote=allow_remote, verify=verify)
+        self._mxrefit = _WorkerRefit(
+            self,
+            address=address,
+            token=token,
+            experts=experts,
+            timeout_s=timeout_s,
+            tcp=tcp,
+            fp8_block=fp8_block,
+            allow_remote=allow_remote,
+            verify=verify,
+        )
         return self._mxrefit.info()
 
     @_answers_on_every_worker
