@@ -56,7 +56,8 @@ class BaselineSender:
     def _buckets(self, tensors: dict[str, torch.Tensor]) -> list[list[tuple[str, torch.Tensor, int]]]:
         biggest = max(align(t.numel() * t.element_size()) for t in tensors.values())
         size = max(self.bucket_bytes, biggest)
-        buckets, used = [[]], 0
+        buckets: list[list[tuple[str, torch.Tensor, int]]] = [[]]
+        used = 0
         for name, t in tensors.items():
             n = align(t.numel() * t.element_size())
             if used + n > size:
@@ -73,7 +74,7 @@ class BaselineSender:
         report = RefitReport(self.version)
         buckets = self._buckets(tensors)
         buffers = create_buffers(default_kind(self.device), 2, self.size, self.device)
-        pending = []
+        pending: list[int] = []
         try:
             for i, bucket in enumerate(buckets):
                 if len(pending) == 2:

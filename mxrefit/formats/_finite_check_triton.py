@@ -70,7 +70,8 @@ class ScanGroup:
         self.device = device
         self.dtype = dtype
         self.block = block
-        prog_tensor, prog_start = [], []
+        prog_tensor: list[int] = []
+        prog_start: list[int] = []
         for t, n in enumerate(numels):
             starts = range(0, n, CHUNK)
             prog_tensor.extend([t] * len(starts))

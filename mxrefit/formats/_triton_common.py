@@ -78,7 +78,8 @@ class LaunchTable:
     ):
         self.device = device
         self.kind = kind
-        prog_tensor, prog_unit = [], []
+        prog_tensor: list[int] = []
+        prog_unit: list[int] = []
         for t, n in enumerate(units):
             starts = range(0, n, units_per_program)
             prog_tensor.extend([t] * len(starts))

@@ -9,7 +9,7 @@ import torch
 try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # torch built without distributed
-    DTensor = None
+    DTensor = None  # type: ignore[assignment,misc]
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

@@ -162,8 +162,7 @@ def _layout(bucket: Bucket, sources_parts: dict[int, list[Target]], param_rank: 
     offset = 0
     prev: Run | None = None
     for _, _, s, r, t in entries:
-        contiguous = prev is not None and prev.param == t.param and prev.param_offset + prev.nbytes == t.offset
-        if contiguous:
+        if prev is not None and prev.param == t.param and prev.param_offset + prev.nbytes == t.offset:
             bucket.runs[-1] = Run(prev.offset, prev.param, prev.param_offset, prev.nbytes + t.nbytes)
         else:
             offset = align(offset)

@@ -34,6 +34,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from fnmatch import fnmatch
+from typing import Any
 
 from mxrefit.plan.build import PlanMismatch
 from mxrefit.plan.types import Destination
@@ -170,16 +171,19 @@ class QuantRules:
         "exclude_modules"}}`` and ``{"quant_algo", "ignore"}``. Layer ranges come back as
         ``ignore`` patterns, which decide exactly as the ranges did.
         """
-        if not isinstance(config, Mapping):
+        data: Mapping[str, Any]
+        if isinstance(config, Mapping):
+            data = config
+        else:
             with open(config) as f:
-                config = json.load(f)
-        if "quantization" in config:
-            section = config["quantization"]
+                data = json.load(f)
+        if "quantization" in data:
+            section = data["quantization"]
             if not isinstance(section, Mapping):
                 raise ValueError("hf_quant_config: 'quantization' must be a mapping")
             algo, ignore = section.get("quant_algo"), section.get("exclude_modules", [])
         else:
-            algo, ignore = config.get("quant_algo"), config.get("ignore", [])
+            algo, ignore = data.get("quant_algo"), data.get("ignore", [])
         if not algo:
             raise ValueError("hf_quant_config: no 'quant_algo'")
         if not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore):

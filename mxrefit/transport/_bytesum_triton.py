@@ -70,7 +70,8 @@ def _bytesum_kernel(
 class ByteSumGroup:
     def __init__(self, views: list[torch.Tensor], device: torch.device, block: int = 256, num_warps: int = 4):
         self.block, self.num_warps = block, num_warps
-        prog_region, prog_start = [], []
+        prog_region: list[int] = []
+        prog_start: list[int] = []
         for r, v in enumerate(views):
             starts = range(0, -(-v.numel() // 4), CHUNK)
             prog_region.extend([r] * len(starts))

@@ -114,7 +114,7 @@ def remove_stale_dirs(parent: str | None = None) -> list[str]:
     is older than a server takes to bind. A SIGKILLed engine leaves such a directory behind.
     """
     parent = parent or tempfile.gettempdir()
-    removed = []
+    removed: list[str] = []
     try:
         names = [n for n in os.listdir(parent) if n.startswith(_DIR_PREFIX)]
     except OSError:

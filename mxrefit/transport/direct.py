@@ -123,7 +123,7 @@ def export_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         nbytes = t.numel() * t.element_size()
         if kind == "cuda_ipc":
             storage = t.untyped_storage()
-            key = storage.data_ptr()
+            key: Any = storage.data_ptr()
             offset = t.storage_offset() * t.element_size()
             if key not in index:
                 index[key] = len(storages)

@@ -44,7 +44,7 @@ def combined_status(statuses: dict[int, dict], lost: dict[int, str], names: Sequ
             ranks.append(
                 {"engine": i, "name": name, "version": s.get("version"), "state": s.get("state"), "error": s.get("error")}
             )
-    versions = [r["version"] for r in ranks if r["version"] is not None]
+    versions: list[int] = [r["version"] for r in ranks if r["version"] is not None]
     whole = not lost and all(r["state"] == "ready" for r in ranks) and len(set(versions)) == 1
     errors = [f"{r['name']}: {r['error']}" for r in ranks if r["error"]]
     return {
