@@ -105,8 +105,8 @@ class TorchEngine(Engine):
                 continue
             seen_storage[key] = name
             shape = tuple(param.shape)
-            if quantized.get(name):
-                self._hold_quantized(name, param, HELD[quant])
+            if quant is not None and quantized.get(name):
+                self._hold_quantized(name, param, quant, HELD[quant])
             else:
                 self._tensors[name] = param.data
                 self._destinations[name] = Destination(name, "bf16", (Target(name, 0, shape, param.dtype),))
@@ -140,7 +140,7 @@ class TorchEngine(Engine):
             owner.register_buffer(attr, tensor)
         self._tensors[name] = tensor
 
-    def _hold_quantized(self, name: str, param: nn.Parameter, held: _Held) -> None:
+    def _hold_quantized(self, name: str, param: nn.Parameter, quant: str, held: _Held) -> None:
         owner_name, _, attr = name.rpartition(".")
         owner = self.module.get_submodule(owner_name) if owner_name else self.module
         try:
@@ -158,7 +158,7 @@ class TorchEngine(Engine):
         self._tensors[scale_name] = scales
         self._destinations[name] = Destination(
             name,
-            self.quant,
+            quant,
             (Target(name, 0, tuple(values.shape), values.dtype), Target(scale_name, 0, tuple(scales.shape), scales.dtype)),
         )
 

@@ -203,13 +203,12 @@ def quantize_into(
     if mats * per_mat == 0:
         return None
     own_bad = bad is None
-    if own_bad:
-        bad = bad_flag(x.device)
+    flag = bad_flag(x.device) if bad is None else bad
     _single_kernel[(mats * per_mat,)](
         x.view(torch.int16),
         values.view(torch.uint8),
         scale_inv,
-        bad,
+        flag,
         n,
         k,
         tiles_k,
@@ -222,7 +221,7 @@ def quantize_into(
         AMAX_FLOOR_BITS=_AMAX_FLOOR_BITS,
         num_warps=num_warps,
     )
-    return first_bad(bad) if own_bad else None
+    return first_bad(flag) if own_bad else None
 
 
 class QuantizeGroup:

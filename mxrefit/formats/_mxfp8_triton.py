@@ -131,14 +131,13 @@ def quantize_into(
     if int_round is None:
         int_round = interpreting()
     own_bad = bad is None
-    if own_bad:
-        bad = bad_flag(x.device)
+    flag = bad_flag(x.device) if bad is None else bad
     grid = (triton.cdiv(n_blocks, blocks_per_program),)
     _single_kernel[grid](
         x.view(torch.int16),
         values.view(torch.uint8),
         scales,
-        bad,
+        flag,
         n_blocks,
         MIN_BYTE=min_byte,
         NB=blocks_per_program,
@@ -147,7 +146,7 @@ def quantize_into(
         WIDE_INDEX=x.numel() >= 2**31,
         num_warps=num_warps,
     )
-    return first_bad(bad) if own_bad else None
+    return first_bad(flag) if own_bad else None
 
 
 class QuantizeGroup:

@@ -78,7 +78,7 @@ def _write_quantized(
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    model.save_pretrained(path)
+    model.save_pretrained(path)  # type: ignore[operator]  # a transformers model; nn.Module's stub types attributes as Tensor | Module
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     formats: dict[str, str] = {}
     weight_map: dict[str, str] = {}

@@ -35,7 +35,7 @@ def combined_status(statuses: dict[int, dict], lost: dict[int, str], names: Sequ
     ``version`` is the newest any rank holds (the next refit must exceed it on every rank);
     ``ranks`` lists each rank's own version, state and error (``lost`` ranks: why).
     """
-    ranks = []
+    ranks: list[dict[str, Any]] = []
     for i, name in enumerate(names):
         if i in lost:
             ranks.append({"engine": i, "name": name, "version": None, "state": "lost", "error": lost[i]})

@@ -52,6 +52,7 @@ class MxrefitWeightTransferEngine(WeightTransferEngine):
     init_info_cls = MxrefitInitInfo
     update_info_cls = MxrefitUpdateInfo
     supports_draft_weight_update = False
+    receiver: Receiver | None = None  # set by init_transfer_engine
 
     def init_transfer_engine(self, init_info: MxrefitInitInfo) -> None:
         self.shutdown()
@@ -73,16 +74,20 @@ class MxrefitWeightTransferEngine(WeightTransferEngine):
             engine, address=init_info.address, token=bytes.fromhex(init_info.token_hex), timeout_s=init_info.timeout_s
         )
 
-    def start_weight_update(self) -> None:
-        if getattr(self, "receiver", None) is None:
+    def _require(self) -> Receiver:
+        if self.receiver is None:
             raise RuntimeError("init_weight_transfer_engine must run before start_weight_update")
+        return self.receiver
+
+    def start_weight_update(self) -> None:
+        self._require()
 
     def receive_weights(self, update_info: MxrefitUpdateInfo) -> None:
         with torch.no_grad():
-            self.receiver.serve(refits=1)
+            self._require().serve(refits=1)
 
     def finish_weight_update(self) -> None:
-        status = self.receiver.status()
+        status = self._require().status()
         if status["state"] != "ready":
             raise RuntimeError(
                 f"mxrefit refit did not complete: engine holds version {status['version']}, "
@@ -90,10 +95,11 @@ class MxrefitWeightTransferEngine(WeightTransferEngine):
             )
 
     def shutdown(self) -> None:
-        receiver = getattr(self, "receiver", None)
+        receiver = self.receiver
         if receiver is not None:
             receiver.close()
-            receiver.engine.pool.release()
+            if isinstance(receiver.engine, VllmEngine):  # always: the engine init_transfer_engine built
+                receiver.engine.pool.release()
             self.receiver = None
 
     @staticmethod

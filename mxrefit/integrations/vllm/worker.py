@@ -152,6 +152,8 @@ class RefitWorkerExtension:
     workers (tensor parallel) a method that fails answers ``{WORKER_ERROR: why}`` on that worker
     rather than raising (``worker_results`` raises it on the trainer's side)."""
 
+    _mxrefit: _WorkerRefit | None = None  # set by mxrefit_init on this worker
+
     @_answers_on_every_worker
     def mxrefit_init(
         self,
@@ -173,7 +175,7 @@ class RefitWorkerExtension:
         ``tp_rank``/``tp_size``). ``address`` may hold ``{ip}`` and ``{rank}`` (``worker_address``);
         a worker on another node than the trainer binds e.g. ``"tcp://{ip}:*"`` with ``allow_remote=True``.
         """
-        if getattr(self, "_mxrefit", None) is not None:
+        if self._mxrefit is not None:
             self._mxrefit.close()
         token = bytes.fromhex(token_hex) if token_hex else None
         self._mxrefit = _WorkerRefit(
@@ -211,11 +213,11 @@ class RefitWorkerExtension:
 
     @_answers_on_every_worker
     def mxrefit_close(self) -> None:
-        if getattr(self, "_mxrefit", None) is not None:
+        if self._mxrefit is not None:
             self._mxrefit.close()
             self._mxrefit = None
 
     def _require(self) -> _WorkerRefit:
-        if getattr(self, "_mxrefit", None) is None:
+        if self._mxrefit is None:
             raise RuntimeError("call collective_rpc('mxrefit_init') first")
         return self._mxrefit
