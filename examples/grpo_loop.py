@@ -122,7 +122,7 @@ def vllm_sample(llm, prompts: list[list[int]], n: int, max_tokens: int, seed: in
 
 class VllmRollout:
     def __init__(self, path: str, device: str, seed: int):
-        from mxrefit.source.sender import Sender
+        from mxrefit import Sender
 
         self.llm = start_vllm(path, device, seed)
         info = self.llm.collective_rpc("mxrefit_init")[0]  # engine tables built once, control socket opened
@@ -231,7 +231,7 @@ class TorchRollout:
     def __init__(self, path: str, fmt: str, device: str):
         import msgpack
 
-        from mxrefit.source.sender import Sender
+        from mxrefit import Sender
 
         self.packb, self.unpackb = msgpack.packb, msgpack.unpackb
         ctx = mp.get_context("spawn")
@@ -307,7 +307,7 @@ def save_step0(policy, path: str, fmt: str, engine: str) -> None:
     """The engine's first weights: the step-0 policy in BF16 (or as a ModelOpt MXFP8 checkpoint for vLLM)."""
     bf16 = copy.deepcopy(policy).to(torch.bfloat16)
     if fmt == "mxfp8" and engine == "vllm":
-        from mxrefit.source.checkpoint import save_mxfp8_checkpoint
+        from mxrefit import save_mxfp8_checkpoint
 
         save_mxfp8_checkpoint(bf16, path)
     else:

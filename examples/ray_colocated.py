@@ -60,7 +60,7 @@ class TrainerActor:
         return path
 
     def connect(self, info: dict) -> None:
-        from mxrefit.source.sender import Sender
+        from mxrefit import Sender
 
         self.sender = Sender(info["address"], bytes.fromhex(info["token"]), device=self.device)
 

@@ -52,8 +52,7 @@ def digest(engine) -> str:
 @ray.remote(max_concurrency=2)  # one thread serves refits, the other answers the driver
 class EngineActor:
     def __init__(self, tp_rank: int):
-        from mxrefit.engine.receiver import Receiver
-        from mxrefit.engine.torch import TorchEngine
+        from mxrefit import Receiver, TorchEngine
 
         self.engine = TorchEngine(tiny_model(seed=0), mxfp8=True, tp_rank=tp_rank, tp_size=TP)
         self.receiver = Receiver(self.engine, timeout_s=60)
@@ -76,7 +75,7 @@ class EngineActor:
 @ray.remote
 class TrainerActor:
     def __init__(self, engines: list[tuple[str, bytes]]):
-        from mxrefit.source.broadcast_sender import BroadcastSender
+        from mxrefit import BroadcastSender
 
         self.model = tiny_model(seed=1)
         self.sender = BroadcastSender(engines, device="cpu", bucket_bytes=64 << 10, timeout_s=60)
@@ -93,7 +92,7 @@ class TrainerActor:
         """What each rank must hold: an engine built from the current weights, without any refit."""
         import copy
 
-        from mxrefit.engine.torch import TorchEngine
+        from mxrefit import TorchEngine
 
         return [digest(TorchEngine(copy.deepcopy(self.model), mxfp8=True, tp_rank=r, tp_size=TP)) for r in range(TP)]
 

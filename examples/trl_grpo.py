@@ -140,7 +140,7 @@ def as_engine_holds(policy: torch.nn.Module, fmt: str) -> torch.nn.Module:
     quantized weight dequantized from mxrefit's bytes, which equal vLLM's own quantization)."""
     import copy
 
-    from mxrefit.formats import mxfp8
+    from mxrefit import mxfp8
     from mxrefit.plan.eligibility import DEFAULT_RULES
 
     model = copy.deepcopy(policy).to(torch.bfloat16).eval()
@@ -157,7 +157,7 @@ def as_engine_holds(policy: torch.nn.Module, fmt: str) -> torch.nn.Module:
 def reload_reference(generation, fmt: str) -> None:
     """vLLM's own loader (``reload_weights``) fed TRL's parameter walk; for MXFP8 the walk's
     eligible weights become E4M3 values + scales, as in a ModelOpt MXFP8 checkpoint."""
-    from mxrefit.formats import mxfp8
+    from mxrefit import mxfp8
     from mxrefit.plan.eligibility import DEFAULT_RULES
     from mxrefit.source.checkpoint import SCALE_SUFFIX
 

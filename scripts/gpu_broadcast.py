@@ -5,7 +5,7 @@
 
 For each wire format (MXFP8 prequantized, BF16) and tensor parallelism (TP=1: every engine GPU
 holds the whole model, a replica; TP=2: pairs of engine GPUs each hold vLLM's TP slices) the
-engine ranks hold vLLM 0.32's layout of the model (``LayoutEngine`` + ``vllm_layout``), a
+engine ranks hold vLLM 0.32's layout of the model (``LayoutEngine`` + ``integrations.vllm.layout``), a
 ``BroadcastSender`` refits them ``--steps`` times after one warm-up refit, and the same
 processes then time a plain broadcast of the same bucket sizes over a fresh group of the same
 backend: the wire floor measured in the same run. After the timed refits each rank's bytes are

@@ -3,7 +3,7 @@
     python scripts/gpu_soak.py                 # on the H200: JSON to $OUT/gpu_soak.json (about 4 minutes, 9.5 at most)
     python scripts/gpu_soak.py --smoke         # on a CPU: tiny model over shared memory, CUDA-only runs skipped
 
-Runs, each a fresh trainer process that spawns its engine process (``vllm_layout`` tables in a
+Runs, each a fresh trainer process that spawns its engine process (``integrations.vllm.layout`` tables in a
 ``LayoutEngine``, a real ``Receiver``; the trainer is a real ``Sender``):
 - ``direct``: ``--refits`` refits (100), the trainer writing into the engine's exported arena
   (the default transport on one GPU);

@@ -1,2 +1,3 @@
-"""Engine side: the ``Engine`` contract (``base``), ``TorchEngine``, the layout engine and the
-landing helpers (staging, shards, TRT-LLM layout), and the vLLM engine (``vllm``)."""
+"""Engine side: ``Receiver`` (serves refits), the ``Engine`` contract (``base``), ``TorchEngine``,
+``LayoutEngine``, and the landing helpers (``staging``, ``shards``, ``tensor_parallel``).
+Engines of other projects live in ``mxrefit.integrations`` (vLLM)."""

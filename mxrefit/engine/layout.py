@@ -10,7 +10,7 @@ staged units (``mxrefit.engine.staging``) receive checkpoint-format bytes and wr
 kernel tensors when processed, as a real engine's post-load processing would.
 
 With ``shards`` it is one tensor-parallel rank of such an engine: the tables stay whole and each
-sharded parameter's storage holds only the rank's slice (e.g. ``vllm_layout.vllm_shards``).
+sharded parameter's storage holds only the rank's slice (e.g. ``integrations.vllm.layout.vllm_shards``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Trainer-side weight streams: a model's tensors under Hugging Face names, one full tensor at a time.
+"""Trainer side: ``Sender`` and ``BroadcastSender`` (send a refit), the weight sources (``hf``,
+``megatron``) and the checkpoint writers (``checkpoint``).
+
+A weight source (``WeightSource``) streams a model's tensors under Hugging Face names, one full tensor at a time.
 
 A source gives ``specs()`` (name, global shape, dtype for every tensor, in stream order, without
 materializing any) for ``Sender.plan``, and iterates ``(name, tensor)`` pairs in that order,

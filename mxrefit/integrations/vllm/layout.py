@@ -57,7 +57,7 @@ Which quantized format a layout holds is a ``QuantLayout`` (``QUANT_LAYOUTS``): 
 parameter's suffix and dtype and the block a scale covers; the scale shapes and the scale
 offset of every source follow from it, so MXFP8 and FP8-block share one code path.
 
-Byte offsets are into each parameter's row-major storage (``Target`` in ``engines.base``).
+Byte offsets are into each parameter's row-major storage (``Target`` in ``mxrefit.plan.types``).
 
 Tensor/expert parallelism (``vllm_shards``): every rank describes the WHOLE model with these
 tables and gives its slice of each parameter as a ``Shard``, read in the same source:
