@@ -63,9 +63,17 @@ def tiny_qwen3(seed: int) -> torch.nn.Module:
 
     hf_logging.disable_progress_bar()
     torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=128,
-                      tie_word_embeddings=False)
+    cfg = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
     return Qwen3ForCausalLM(cfg).float()
 
 
@@ -82,25 +90,39 @@ def start_vllm(path: str, device: str, seed: int):
     """A small ``vllm.LLM`` whose worker runs mxrefit's extension (methods called by name)."""
     from vllm import LLM
 
-    return LLM(model=path, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, seed=seed,
-               gpu_memory_utilization=0.05 if device == "cpu" else 0.3, max_model_len=64, max_num_seqs=64,
-               worker_extension_cls="mxrefit.engines.vllm.RefitWorkerExtension")
+    return LLM(
+        model=path,
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        enforce_eager=True,
+        seed=seed,
+        gpu_memory_utilization=0.05 if device == "cpu" else 0.3,
+        max_model_len=64,
+        max_num_seqs=64,
+        worker_extension_cls="mxrefit.integrations.vllm.worker.RefitWorkerExtension",
+    )
 
 
 def vllm_sample(llm, prompts: list[list[int]], n: int, max_tokens: int, seed: int) -> list[Group]:
     """``n`` completions per prompt at temperature 1 and the sampled tokens' log-probabilities."""
     from vllm import SamplingParams
 
-    params = [SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0,
-                             seed=seed + i * n) for i in range(len(prompts))]
+    params = [
+        SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0, seed=seed + i * n)
+        for i in range(len(prompts))
+    ]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [Group([list(c.token_ids) for c in o.outputs],
-                  [[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)] for c in o.outputs]) for o in outs]
+    return [
+        Group(
+            [list(c.token_ids) for c in o.outputs], [[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)] for c in o.outputs]
+        )
+        for o in outs
+    ]
 
 
 class VllmRollout:
     def __init__(self, path: str, device: str, seed: int):
-        from mxrefit.sender import Sender
+        from mxrefit import Sender
 
         self.llm = start_vllm(path, device, seed)
         info = self.llm.collective_rpc("mxrefit_init")[0]  # engine tables built once, control socket opened
@@ -110,7 +132,7 @@ class VllmRollout:
         return vllm_sample(self.llm, prompts, n, max_tokens, seed)
 
     def refit(self, weights: dict[str, torch.Tensor]):
-        from mxrefit.engines.vllm import refit_while
+        from mxrefit.integrations.vllm.client import refit_while
 
         # the worker serves one refit on its own thread while this process sends it
         report = refit_while(lambda: self.llm.collective_rpc("mxrefit_receive"), self.sender, weights)
@@ -154,10 +176,20 @@ def hf_sample(model: torch.nn.Module, prompt: list[int], n: int, max_tokens: int
     device = next(model.parameters()).device
     torch.manual_seed(seed)
     ids = torch.tensor([prompt], device=device)
-    out = model.generate(ids, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=n,
-                         max_new_tokens=max_tokens, min_new_tokens=max_tokens, pad_token_id=0,
-                         output_logits=True, return_dict_in_generate=True)
-    tokens = out.sequences[:, len(prompt):]
+    out = model.generate(
+        ids,
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        num_return_sequences=n,
+        max_new_tokens=max_tokens,
+        min_new_tokens=max_tokens,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    tokens = out.sequences[:, len(prompt) :]
     logits = torch.stack(out.logits, dim=1).float()
     logprobs = torch.log_softmax(logits, dim=-1).gather(2, tokens.unsqueeze(-1)).squeeze(-1)
     return Group(tokens.tolist(), logprobs.tolist())
@@ -181,8 +213,10 @@ def serve_rollouts(conn, path: str, fmt: str, device: str) -> None:
         while True:
             msg = msgpack.unpackb(conn.recv_bytes())
             if msg["op"] == "generate":
-                groups = [hf_sample(model, p, msg["n"], msg["max_tokens"], msg["seed"] + i * msg["n"])
-                          for i, p in enumerate(msg["prompts"])]
+                groups = [
+                    hf_sample(model, p, msg["n"], msg["max_tokens"], msg["seed"] + i * msg["n"])
+                    for i, p in enumerate(msg["prompts"])
+                ]
                 conn.send_bytes(msgpack.packb([asdict(g) for g in groups]))
             elif msg["op"] == "refit":
                 receiver.serve(refits=1)
@@ -197,7 +231,7 @@ class TorchRollout:
     def __init__(self, path: str, fmt: str, device: str):
         import msgpack
 
-        from mxrefit.sender import Sender
+        from mxrefit import Sender
 
         self.packb, self.unpackb = msgpack.packb, msgpack.unpackb
         ctx = mp.get_context("spawn")
@@ -209,13 +243,13 @@ class TorchRollout:
 
     def _recv(self, timeout_s: float):
         if not self.conn.poll(timeout_s):
-            raise RuntimeError(f"the rollout engine process did not answer within {timeout_s:.0f} s "
-                               f"(exit code {self.proc.exitcode})")
+            raise RuntimeError(
+                f"the rollout engine process did not answer within {timeout_s:.0f} s (exit code {self.proc.exitcode})"
+            )
         return self.unpackb(self.conn.recv_bytes())
 
     def generate(self, prompts: list[list[int]], n: int, max_tokens: int, seed: int) -> list[Group]:
-        self.conn.send_bytes(self.packb({"op": "generate", "prompts": prompts, "n": n, "max_tokens": max_tokens,
-                                         "seed": seed}))
+        self.conn.send_bytes(self.packb({"op": "generate", "prompts": prompts, "n": n, "max_tokens": max_tokens, "seed": seed}))
         return [Group(**g) for g in self._recv(300)]
 
     def refit(self, weights: dict[str, torch.Tensor]):
@@ -248,16 +282,17 @@ class StepStats:
     refit_bytes: int = 0
 
 
-def grpo_update(policy, optimizer, prompts: list[list[int]], groups: list[Group], *, clip: float = 0.2,
-                eps: float = 1e-6) -> tuple[float, float, float]:
+def grpo_update(
+    policy, optimizer, prompts: list[list[int]], groups: list[Group], *, clip: float = 0.2, eps: float = 1e-6
+) -> tuple[float, float, float]:
     """One policy-gradient step on the sampled groups; returns (mean reward, logp gap, loss)."""
     device = next(policy.parameters()).device
-    rewards = torch.tensor([[reward(c) for c in g.tokens] for g in groups])            # [P, G]
+    rewards = torch.tensor([[reward(c) for c in g.tokens] for g in groups])  # [P, G]
     adv = (rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + eps)
     seqs = torch.tensor([p + c for p, g in zip(prompts, groups) for c in g.tokens], device=device)
     completion = seqs[:, PROMPT_LEN:]
-    old = torch.tensor([lp for g in groups for lp in g.logprobs], device=device)     # engine's, [P*G, T]
-    logits = policy(input_ids=seqs).logits[:, PROMPT_LEN - 1:-1].float()
+    old = torch.tensor([lp for g in groups for lp in g.logprobs], device=device)  # engine's, [P*G, T]
+    logits = policy(input_ids=seqs).logits[:, PROMPT_LEN - 1 : -1].float()
     logp = torch.log_softmax(logits, dim=-1).gather(2, completion.unsqueeze(-1)).squeeze(-1)
     ratio = torch.exp(logp - old)
     a = adv.reshape(-1, 1).to(device)
@@ -272,7 +307,7 @@ def save_step0(policy, path: str, fmt: str, engine: str) -> None:
     """The engine's first weights: the step-0 policy in BF16 (or as a ModelOpt MXFP8 checkpoint for vLLM)."""
     bf16 = copy.deepcopy(policy).to(torch.bfloat16)
     if fmt == "mxfp8" and engine == "vllm":
-        from mxrefit.checkpoint import save_mxfp8_checkpoint
+        from mxrefit import save_mxfp8_checkpoint
 
         save_mxfp8_checkpoint(bf16, path)
     else:
@@ -309,21 +344,37 @@ def run(args: argparse.Namespace) -> dict:
             t = time.perf_counter()
             report = engine.refit(weights)
             wall_ms = (time.perf_counter() - t) * 1e3
-            s = StepStats(step, mean_reward, report.total_s * 1e3, report.version, gap, loss, gen_s, train_s,
-                          wall_ms, report.transport, report.bytes)
+            s = StepStats(
+                step,
+                mean_reward,
+                report.total_s * 1e3,
+                report.version,
+                gap,
+                loss,
+                gen_s,
+                train_s,
+                wall_ms,
+                report.transport,
+                report.bytes,
+            )
             steps.append(s)
             print(f"{step:>4} {s.reward:>7.3f} {s.refit_ms:>9.1f} {s.version:>7} {s.logp_gap:>8.4f}", flush=True)
     finally:
         engine.close()
     k = min(5, len(steps))
     result = {
-        "config": vars(args), "engine_start_s": start_s, "wall_s": time.perf_counter() - t0,
-        "first5_reward": sum(s.reward for s in steps[:k]) / k, "last5_reward": sum(s.reward for s in steps[-k:]) / k,
+        "config": vars(args),
+        "engine_start_s": start_s,
+        "wall_s": time.perf_counter() - t0,
+        "first5_reward": sum(s.reward for s in steps[:k]) / k,
+        "last5_reward": sum(s.reward for s in steps[-k:]) / k,
         "median_refit_ms": sorted(s.refit_ms for s in steps)[len(steps) // 2],
         "steps": [asdict(s) for s in steps],
     }
-    print(f"mean reward: first {k} steps {result['first5_reward']:.3f}, last {k} steps {result['last5_reward']:.3f}; "
-          f"median refit {result['median_refit_ms']:.1f} ms ({steps[-1].transport}, {steps[-1].refit_bytes} bytes)")
+    print(
+        f"mean reward: first {k} steps {result['first5_reward']:.3f}, last {k} steps {result['last5_reward']:.3f}; "
+        f"median refit {result['median_refit_ms']:.1f} ms ({steps[-1].transport}, {steps[-1].refit_bytes} bytes)"
+    )
     return result
 
 

@@ -2,7 +2,7 @@ import tempfile, torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 from vllm import LLM, SamplingParams
 from mxrefit import Sender
-from mxrefit.engines.vllm import refit_while
+from mxrefit.integrations.vllm.client import refit_while
 
 if __name__ == "__main__":  # vLLM starts its engine in a new process
     torch.manual_seed(0)
@@ -10,7 +10,7 @@ if __name__ == "__main__":  # vLLM starts its engine in a new process
                                           num_attention_heads=4, num_key_value_heads=2, head_dim=32)).bfloat16()
     path = tempfile.mkdtemp(); policy.save_pretrained(path)        # the engine starts from the step-0 policy
     llm = LLM(model=path, skip_tokenizer_init=True, gpu_memory_utilization=0.05, max_model_len=64, enforce_eager=True,
-              worker_extension_cls="mxrefit.engines.vllm.RefitWorkerExtension")
+              worker_extension_cls="mxrefit.integrations.vllm.worker.RefitWorkerExtension")
     info = llm.collective_rpc("mxrefit_init")[0]                     # once: engine tables + control socket
     sender = Sender(info["address"], bytes.fromhex(info["token"]))   # CPU: shared memory; GPU: device="cuda", CUDA IPC
     greedy = lambda: llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(temperature=0, max_tokens=6),

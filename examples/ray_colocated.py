@@ -60,7 +60,7 @@ class TrainerActor:
         return path
 
     def connect(self, info: dict) -> None:
-        from mxrefit.sender import Sender
+        from mxrefit import Sender
 
         self.sender = Sender(info["address"], bytes.fromhex(info["token"]), device=self.device)
 
@@ -91,9 +91,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--json", help="write the per-step record here")
     args = p.parse_args(argv)
     gpus = 0.5 if args.device == "cuda" else 0
-    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {
-        "PYTHONPATH": os.pathsep.join(sys.path[:1] + [os.environ.get("PYTHONPATH", "")]),
-        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}})
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        runtime_env={
+            "env_vars": {
+                "PYTHONPATH": os.pathsep.join(sys.path[:1] + [os.environ.get("PYTHONPATH", "")]),
+                "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            }
+        },
+    )
     trainer = TrainerActor.options(num_gpus=gpus).remote(args.device, args.seed, 3e-3)
     path = ray.get(trainer.checkpoint.remote(tempfile.mkdtemp(prefix="ray-colocated-")))
     engine = VllmActor.options(num_gpus=gpus).remote(path, args.device, args.seed)
@@ -106,8 +113,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         stats = ray.get(trainer.train.remote(prompts, groups))
         stats.update(refit(trainer, engine), step=step)
         steps.append(stats)
-        print(f"step {step}: reward {stats['reward']:.3f}, refit {stats['refit_ms']:.1f} ms "
-              f"(version {stats['version']}, {stats['transport']}), logp gap {stats['logp_gap']:.4f}", flush=True)
+        print(
+            f"step {step}: reward {stats['reward']:.3f}, refit {stats['refit_ms']:.1f} ms "
+            f"(version {stats['version']}, {stats['transport']}), logp gap {stats['logp_gap']:.4f}",
+            flush=True,
+        )
     ray.get(engine.shutdown.remote())
     ray.shutdown()
     if args.json:

@@ -25,9 +25,19 @@ def tiny_model(seed: int):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen3MoeConfig(vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                         num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+    cfg = Qwen3MoeConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+    )
     return Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
 
 
@@ -42,8 +52,7 @@ def digest(engine) -> str:
 @ray.remote(max_concurrency=2)  # one thread serves refits, the other answers the driver
 class EngineActor:
     def __init__(self, tp_rank: int):
-        from mxrefit.engines.torch import TorchEngine
-        from mxrefit.receiver import Receiver
+        from mxrefit import Receiver, TorchEngine
 
         self.engine = TorchEngine(tiny_model(seed=0), mxfp8=True, tp_rank=tp_rank, tp_size=TP)
         self.receiver = Receiver(self.engine, timeout_s=60)
@@ -66,7 +75,7 @@ class EngineActor:
 @ray.remote
 class TrainerActor:
     def __init__(self, engines: list[tuple[str, bytes]]):
-        from mxrefit.broadcast import BroadcastSender
+        from mxrefit import BroadcastSender
 
         self.model = tiny_model(seed=1)
         self.sender = BroadcastSender(engines, device="cpu", bucket_bytes=64 << 10, timeout_s=60)
@@ -83,7 +92,7 @@ class TrainerActor:
         """What each rank must hold: an engine built from the current weights, without any refit."""
         import copy
 
-        from mxrefit.engines.torch import TorchEngine
+        from mxrefit import TorchEngine
 
         return [digest(TorchEngine(copy.deepcopy(self.model), mxfp8=True, tp_rank=r, tp_size=TP)) for r in range(TP)]
 

@@ -53,9 +53,20 @@ def build_policy(path: str, seed: int, warmup_steps: int = 16) -> None:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, padding_side="left")
     torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=128,
-                      tie_word_embeddings=False, eos_token_id=VOCAB - 1, pad_token_id=VOCAB - 2, bos_token_id=None)
+    cfg = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        eos_token_id=VOCAB - 1,
+        pad_token_id=VOCAB - 2,
+        bos_token_id=None,
+    )
     model = Qwen3ForCausalLM(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     g = torch.Generator().manual_seed(seed)
@@ -101,11 +112,13 @@ def engine_outputs(llm, prompts: list[list[int]], max_tokens: int) -> dict:
     from vllm import SamplingParams
 
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    tokens = [list(o.outputs[0].token_ids) for o in
-              llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)]
+    tokens = [
+        list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+    ]
     seqs = [p + t for p, t in zip(prompts, tokens)]
-    scored = llm.generate([{"prompt_token_ids": s} for s in seqs], SamplingParams(max_tokens=1, prompt_logprobs=0),
-                          use_tqdm=False)
+    scored = llm.generate(
+        [{"prompt_token_ids": s} for s in seqs], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False
+    )
     logprobs = [[o.prompt_logprobs[i][t].logprob for i, t in enumerate(s) if i > 0] for s, o in zip(seqs, scored)]
     return {"tokens": tokens, "logprobs": logprobs}
 
@@ -113,11 +126,12 @@ def engine_outputs(llm, prompts: list[list[int]], max_tokens: int) -> dict:
 @torch.no_grad()
 def hf_outputs(model: torch.nn.Module, prompts: list[list[int]], max_tokens: int) -> dict:
     """The same from HF ``generate`` and a forward pass."""
-    out = model.generate(torch.tensor(prompts), do_sample=False, max_new_tokens=max_tokens,
-                         min_new_tokens=max_tokens, pad_token_id=VOCAB - 2)
+    out = model.generate(
+        torch.tensor(prompts), do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens, pad_token_id=VOCAB - 2
+    )
     logits = model(input_ids=out).logits[:, :-1].float()
     logprobs = torch.log_softmax(logits, dim=-1).gather(2, out[:, 1:].unsqueeze(-1)).squeeze(-1)
-    return {"tokens": out[:, len(prompts[0]):].tolist(), "logprobs": logprobs.tolist()}
+    return {"tokens": out[:, len(prompts[0]) :].tolist(), "logprobs": logprobs.tolist()}
 
 
 @torch.no_grad()
@@ -126,8 +140,8 @@ def as_engine_holds(policy: torch.nn.Module, fmt: str) -> torch.nn.Module:
     quantized weight dequantized from mxrefit's bytes, which equal vLLM's own quantization)."""
     import copy
 
-    from mxrefit.eligibility import DEFAULT_RULES
-    from mxrefit.formats import mxfp8
+    from mxrefit import mxfp8
+    from mxrefit.plan.eligibility import DEFAULT_RULES
 
     model = copy.deepcopy(policy).to(torch.bfloat16).eval()
     model.gradient_checkpointing_disable()  # generate needs its KV cache
@@ -143,9 +157,9 @@ def as_engine_holds(policy: torch.nn.Module, fmt: str) -> torch.nn.Module:
 def reload_reference(generation, fmt: str) -> None:
     """vLLM's own loader (``reload_weights``) fed TRL's parameter walk; for MXFP8 the walk's
     eligible weights become E4M3 values + scales, as in a ModelOpt MXFP8 checkpoint."""
-    from mxrefit.checkpoint import SCALE_SUFFIX
-    from mxrefit.eligibility import DEFAULT_RULES
-    from mxrefit.formats import mxfp8
+    from mxrefit import mxfp8
+    from mxrefit.plan.eligibility import DEFAULT_RULES
+    from mxrefit.source.checkpoint import SCALE_SUFFIX
 
     quantized = DEFAULT_RULES.decide((n, tuple(t.shape)) for n, t in generation._iter_named_params())
 
@@ -174,33 +188,64 @@ def run(args: argparse.Namespace) -> dict:
     prompt_ids = torch.randint(0, VOCAB - 2, (args.prompts, PROMPT_LEN), generator=g).tolist()
     dataset = Dataset.from_dict({"prompt": [" ".join(f"t{i}" for i in p) for p in prompt_ids]})
     config = GRPOConfig(
-        output_dir=os.path.join(workdir, "out"), use_vllm=True, vllm_mode="colocate", vllm_max_model_length=64,
-        vllm_gpu_memory_utilization=0.05, per_device_train_batch_size=args.prompts * args.group,
-        num_generations=args.group, max_completion_length=args.new_tokens, max_steps=args.steps,
-        learning_rate=args.lr, beta=0.0, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True,
-        bf16=False, gradient_checkpointing=False, seed=args.seed, data_seed=args.seed, shuffle_dataset=False,
-        disable_tqdm=True, generation_kwargs={"ignore_eos": True})
+        output_dir=os.path.join(workdir, "out"),
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_max_model_length=64,
+        vllm_gpu_memory_utilization=0.05,
+        per_device_train_batch_size=args.prompts * args.group,
+        num_generations=args.group,
+        max_completion_length=args.new_tokens,
+        max_steps=args.steps,
+        learning_rate=args.lr,
+        beta=0.0,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        seed=args.seed,
+        data_seed=args.seed,
+        shuffle_dataset=False,
+        disable_tqdm=True,
+        generation_kwargs={"ignore_eos": True},
+    )
     model = AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32)  # FP32 master weights
     tokenizer = AutoTokenizer.from_pretrained(policy_path)
     # enforce_eager: vLLM's CPU build would otherwise compile its graphs (about 40 s here)
     extra = {} if args.sync == "trl" else {"refit_format": args.format, "llm_kwargs": {"enforce_eager": True}}
     t0 = time.perf_counter()
-    trainer = trainer_class(args.sync)(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
-                                       processing_class=tokenizer, **extra)
+    trainer = trainer_class(args.sync)(
+        model=model, reward_funcs=reward, args=config, train_dataset=dataset, processing_class=tokenizer, **extra
+    )
     start_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     trainer.train()
     train_s = time.perf_counter() - t0
     generation = trainer.vllm_generation
     generation.sync_weights()  # the final weights: the engine now holds what the last step trained
-    result = {"config": vars(args), "engine_start_s": start_s, "train_s": train_s,
-              "steps": [h for h in trainer.state.log_history if "loss" in h],
-              "refits": [{"version": r.version, "bytes": r.bytes, "transport": r.transport, "total_s": r.total_s,
-                          "sync_s": r.extra.get("sync_s")} for r in getattr(trainer, "refit_reports", [])],
-              "prompts": prompt_ids}
+    result = {
+        "config": vars(args),
+        "engine_start_s": start_s,
+        "train_s": train_s,
+        "steps": [h for h in trainer.state.log_history if "loss" in h],
+        "refits": [
+            {
+                "version": r.version,
+                "bytes": r.bytes,
+                "transport": r.transport,
+                "total_s": r.total_s,
+                "sync_s": r.extra.get("sync_s"),
+            }
+            for r in getattr(trainer, "refit_reports", [])
+        ],
+        "prompts": prompt_ids,
+    }
     result["engine"] = engine_outputs(generation.llm, prompt_ids, args.new_tokens)
-    result["hf"] = hf_outputs(as_engine_holds(trainer.accelerator.unwrap_model(trainer.model), args.format),
-                              prompt_ids, args.new_tokens)
+    result["hf"] = hf_outputs(
+        as_engine_holds(trainer.accelerator.unwrap_model(trainer.model), args.format), prompt_ids, args.new_tokens
+    )
     reload_reference(generation, args.format)
     result["reload"] = engine_outputs(generation.llm, prompt_ids, args.new_tokens)
     if hasattr(generation, "close"):
@@ -227,14 +272,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     result = run(args)
     for s in result["steps"]:
-        print(f"step {s['step']}: reward {s.get('reward', float('nan')):.3f} "
-              f"logp diff max {s.get('sampling/sampling_logp_difference/max', float('nan')):.4f} "
-              f"refit version {s.get('mxrefit/version')} {s.get('mxrefit/refit_ms', float('nan')):.1f} ms")
+        print(
+            f"step {s['step']}: reward {s.get('reward', float('nan')):.3f} "
+            f"logp diff max {s.get('sampling/sampling_logp_difference/max', float('nan')):.4f} "
+            f"refit version {s.get('mxrefit/version')} {s.get('mxrefit/refit_ms', float('nan')):.1f} ms"
+        )
     for ref in ("reload", "hf"):
         pairs = zip(result["engine"]["logprobs"], result[ref]["logprobs"])
         gap = max(abs(a - b) for x, y in pairs for a, b in zip(x, y))
-        print(f"engine vs {ref}: greedy tokens equal {result['engine']['tokens'] == result[ref]['tokens']}, "
-              f"largest logprob difference {gap:.2e}")
+        print(
+            f"engine vs {ref}: greedy tokens equal {result['engine']['tokens'] == result[ref]['tokens']}, "
+            f"largest logprob difference {gap:.2e}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -4,18 +4,18 @@ The public API: trainer side ``Sender`` (one engine, same host) and ``BroadcastS
 ranks on other GPUs or nodes); engine side ``Receiver`` serving an ``Engine`` such as
 ``TorchEngine``; the formats ``mxfp8`` and ``fp8_block`` (``quantize``/``dequantize``); the
 checkpoint writers vLLM starts from; and the errors, all beneath ``MxrefitError``. vLLM plugs in
-through ``mxrefit.engines.vllm`` (docs/vllm.md), TRL through ``mxrefit.integrations.trl``.
+through ``mxrefit.integrations.vllm`` (docs/vllm.md), TRL through ``mxrefit.integrations.trl``.
 """
 
-from mxrefit.broadcast import BroadcastSender
-from mxrefit.checkpoint import save_fp8_block_checkpoint, save_mxfp8_checkpoint
-from mxrefit.engines.torch import TorchEngine
+from mxrefit.engine.receiver import Receiver
+from mxrefit.engine.torch import TorchEngine
 from mxrefit.errors import MxrefitError
 from mxrefit.formats import fp8_block, mxfp8
 from mxrefit.formats._common import NonFiniteError
-from mxrefit.plan import PlanMismatch, SourceSpec
-from mxrefit.receiver import Receiver
-from mxrefit.sender import RefitError, RefitReport, Sender
+from mxrefit.plan.build import PlanMismatch, SourceSpec
+from mxrefit.source.broadcast_sender import BroadcastSender
+from mxrefit.source.checkpoint import save_fp8_block_checkpoint, save_mxfp8_checkpoint
+from mxrefit.source.sender import RefitError, RefitReport, Sender
 from mxrefit.transport.buffers import TransportError
 from mxrefit.transport.control import ControlError
 

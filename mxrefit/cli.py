@@ -6,20 +6,31 @@ import argparse
 import json
 import sys
 
+from mxrefit.bench.report import plot, print_table
+from mxrefit.bench.run import ALL_MODES, CHECK_MODES, FORMATS, MODES, bench, resolve_post
+from mxrefit.plan.shapes import BUILTIN
+
 
 def _bench(args: argparse.Namespace) -> int:
-    from mxrefit.bench.report import plot, print_table
-    from mxrefit.bench.run import ALL_MODES, CHECK_MODES, MODES, bench, resolve_post
-
     modes = {"both": MODES, "all": ALL_MODES, "checks": CHECK_MODES}.get(args.mode, (args.mode,))
     try:
         post = resolve_post(args.format, args.post)
     except ValueError as err:
         print(f"mxrefit bench: {err}", file=sys.stderr)
         return 2
-    result = bench(model=args.model, device=args.device, steps=args.steps, warmup=args.warmup, modes=modes,
-                   bucket_bytes=args.bucket_mb << 20, experts=args.experts, post=post, layers=args.layers,
-                   progress=not args.no_progress, fmt=args.format)
+    result = bench(
+        model=args.model,
+        device=args.device,
+        steps=args.steps,
+        warmup=args.warmup,
+        modes=modes,
+        bucket_bytes=args.bucket_mb << 20,
+        experts=args.experts,
+        post=post,
+        layers=args.layers,
+        progress=not args.no_progress,
+        fmt=args.format,
+    )
     print_table(result)
     if args.json:
         with open(args.json, "w") as f:
@@ -31,9 +42,6 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mxrefit.bench.run import FORMATS
-    from mxrefit.shapes import BUILTIN
-
     parser = argparse.ArgumentParser(prog="mxrefit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("bench", help="time refits of a built-in model: baseline vs prequant vs the copy floor")
@@ -41,18 +49,38 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     b.add_argument("--steps", type=int, default=5, help="timed refits per mode (medians are reported)")
     b.add_argument("--warmup", type=int, default=1)
-    b.add_argument("--mode", default="both", choices=("both", "all", "checks", "baseline", "prequant", "prequant-buffers",
-                                                      "prequant-verify", "prequant-transactional"),
-                   help="both = baseline + prequant; all adds prequant-buffers (mxrefit through transfer buffers); "
-                        "checks = prequant, prequant-verify (per-bucket integrity sums) and prequant-transactional "
-                        "(the engine receives into a shadow and commits a complete refit)")
+    b.add_argument(
+        "--mode",
+        default="both",
+        choices=(
+            "both",
+            "all",
+            "checks",
+            "baseline",
+            "prequant",
+            "prequant-buffers",
+            "prequant-verify",
+            "prequant-transactional",
+        ),
+        help="both = baseline + prequant; all adds prequant-buffers (mxrefit through transfer buffers); "
+        "checks = prequant, prequant-verify (per-bucket integrity sums) and prequant-transactional "
+        "(the engine receives into a shadow and commits a complete refit)",
+    )
     b.add_argument("--bucket-mb", type=int, default=512, help="transfer bucket size (raised to the largest tensor)")
-    b.add_argument("--format", default="mxfp8", choices=FORMATS,
-                   help="engine's weight format: MXFP8 (ModelOpt), 128x128 block FP8 (Fp8Config; float32 or "
-                        "power-of-two scales), or BF16 (no quantization, what most RL stacks serve)")
-    b.add_argument("--post", default=None, choices=("trtllm", "none"),
-                   help="engine post-load layout: FlashInfer TRT-LLM (MoE shuffle, scale swizzle; MXFP8 only, its "
-                        "default) or none (FP8-block's default and only choice)")
+    b.add_argument(
+        "--format",
+        default="mxfp8",
+        choices=FORMATS,
+        help="engine's weight format: MXFP8 (ModelOpt), 128x128 block FP8 (Fp8Config; float32 or "
+        "power-of-two scales), or BF16 (no quantization, what most RL stacks serve)",
+    )
+    b.add_argument(
+        "--post",
+        default=None,
+        choices=("trtllm", "none"),
+        help="engine post-load layout: FlashInfer TRT-LLM (MoE shuffle, scale swizzle; MXFP8 only, its "
+        "default) or none (FP8-block's default and only choice)",
+    )
     b.add_argument("--layers", type=int, default=None, help="override the model's layer count (size sweeps)")
     b.add_argument("--experts", default="per_expert", choices=("per_expert", "grouped"), help="trainer's expert tensor layout")
     b.add_argument("--json", metavar="PATH", help="write every figure as one JSON object")

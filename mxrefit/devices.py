@@ -1,4 +1,5 @@
-"""One spelling per device: ``"cuda"`` means the current CUDA device, with its index.
+"""One spelling per device (``"cuda"`` means the current CUDA device, with its index), the one
+buffer alignment, and the one current-stream sync.
 
 Why: torch compares ``torch.device("cuda")`` and ``torch.device("cuda", 0)`` as different, so
 a sender built with ``device="cuda"`` would refuse tensors that live on ``cuda:0``.
@@ -14,6 +15,20 @@ def resolve(device: torch.device | str) -> torch.device:
     if dev.type == "cuda" and dev.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return dev
+
+
+ALIGN = 512  # bytes: every staged tensor, bucket and arena piece starts on this boundary
+
+
+def align(n: int) -> int:
+    """Round ``n`` up to ``ALIGN``."""
+    return -(-n // ALIGN) * ALIGN
+
+
+def sync_current(device: torch.device) -> None:
+    """Wait for the work queued on ``device``'s current stream (not the side streams); no-op off CUDA."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 def bind(device: torch.device | str) -> torch.device:

@@ -27,9 +27,9 @@ if "--smoke" in sys.argv:  # the interpreter must be on before triton is first i
 import torch
 
 from mxrefit.formats import _fp8_block_triton, fp8_block
-from mxrefit.formats.fp8_block_cases import adversarial_suite
-from mxrefit.formats.fp8_block_oracle import reference_quantize
-from mxrefit.formats.mxfp8_cases import random_normal
+from mxrefit.formats.reference.fp8_block_cases import adversarial_suite
+from mxrefit.formats.reference.fp8_block_oracle import reference_quantize
+from mxrefit.formats.reference.mxfp8_cases import random_normal
 
 IMPLS = ("torch_cuda", "triton_hw_round", "triton_int_round", "triton_group")
 
@@ -76,8 +76,10 @@ def copy_bandwidth(device: str, nbytes: int) -> float:
 
 
 def _empty_parts(shape, block, device):
-    return (torch.empty(shape, dtype=torch.float8_e4m3fn, device=device),
-            torch.empty(fp8_block.scale_shape(shape, block), dtype=torch.float32, device=device))
+    return (
+        torch.empty(shape, dtype=torch.float8_e4m3fn, device=device),
+        torch.empty(fp8_block.scale_shape(shape, block), dtype=torch.float32, device=device),
+    )
 
 
 def _np(v, s):
@@ -112,10 +114,19 @@ def cases(seed: int, smoke: bool) -> dict:
     if smoke:
         suite = {k: suite[k] for k in ("special", "boundaries_fp16", "near_power_fp32", "ragged_normal_std0.02")}
     g = torch.Generator().manual_seed(seed)
-    bits = torch.randint(-(1 << 15), 1 << 15, (512, 1024) if smoke else (2048, 4096), generator=g, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    bits = (
+        torch.randint(-(1 << 15), 1 << 15, (512, 1024) if smoke else (2048, 4096), generator=g, dtype=torch.int32)
+        .to(torch.int16)
+        .view(torch.bfloat16)
+    )
     suite["fresh_bits"] = (torch.where(torch.isfinite(bits), bits, torch.zeros((), dtype=torch.bfloat16)), (128, 128))
-    shapes = {"fresh_normal": (512, 2048), "w13_like_3d": (8, 1536, 2048), "ragged_3d": (3, 200, 330),
-              "qkv_32b_like": (7168, 5120), "fp16_ragged": (1000, 700)}
+    shapes = {
+        "fresh_normal": (512, 2048),
+        "w13_like_3d": (8, 1536, 2048),
+        "ragged_3d": (3, 200, 330),
+        "qkv_32b_like": (7168, 5120),
+        "fp16_ragged": (1000, 700),
+    }
     if smoke:
         shapes = {"fresh_normal": (256, 384), "ragged_3d": (2, 200, 330), "fp16_ragged": (130, 260)}
     for i, (name, shape) in enumerate(shapes.items()):
@@ -127,7 +138,7 @@ def cases(seed: int, smoke: bool) -> dict:
 def parity(device: str, seed: int, smoke: bool) -> list[dict]:
     rows = []
     suite = cases(seed, smoke)
-    proven_in_ci = set() if smoke else set(adversarial_suite())  # tests/test_fp8_block.py checks those against the oracle
+    proven_in_ci = set() if smoke else set(adversarial_suite())  # tests/unit/test_fp8_block.py checks those against the oracle
     for name, (x, block) in suite.items():
         for ue8m0 in (False, True):
             want = _np(*fp8_block.quantize(x, block, use_ue8m0=ue8m0, backend="torch"))
@@ -176,8 +187,11 @@ def speed(device: str, copy_gbs: float, smoke: bool) -> list[dict]:
         for ue8m0 in (False, True):
             for w in warps:
                 variants[f"triton_hw_w{w}{'_ue8m0' if ue8m0 else ''}"] = lambda w=w, u=ue8m0: _fp8_block_triton.quantize_into(
-                    x, v, s, fp8_block.BLOCK, u, num_warps=w, int_round=device != "cuda", bad=bad)
-        variants["triton_int_round_w8"] = lambda: _fp8_block_triton.quantize_into(x, v, s, fp8_block.BLOCK, False, int_round=True, bad=bad)
+                    x, v, s, fp8_block.BLOCK, u, num_warps=w, int_round=device != "cuda", bad=bad
+                )
+        variants["triton_int_round_w8"] = lambda: _fp8_block_triton.quantize_into(
+            x, v, s, fp8_block.BLOCK, False, int_round=True, bad=bad
+        )
         variants["triton_group_w8"] = lambda: group([x], bad)
         variants["torch_ops"] = lambda: fp8_block._quantize_torch(x, v, s, fp8_block.BLOCK, False, "x")
         for name, fn in variants.items():
@@ -201,13 +215,21 @@ def bucket_speed(device: str, copy_gbs: float, smoke: bool) -> list[dict]:
     src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     rows = []
-    for w in ((8,) if smoke else (4, 8, 16)):
+    for w in (8,) if smoke else (4, 8, 16):
         group = _fp8_block_triton.QuantizeGroup(xs, outs, fp8_block.BLOCK, False, num_warps=w)
         for name, fn in ((f"triton_group_w{w}", lambda: group(xs, bad)), ("copy_same_bytes", lambda: dst.copy_(src))):
             ms = median_ms(fn, device, per_graph=4 if device == "cuda" else 1, reps=15 if device == "cuda" else 2)
             gbs = nbytes / ms / 1e6
-            rows.append({"bucket": "qwen3-30b-a3b layer", "tensors": len(xs), "impl": name, "median_ms": ms, "GBps": gbs,
-                         "fraction_of_copy": gbs / copy_gbs})
+            rows.append(
+                {
+                    "bucket": "qwen3-30b-a3b layer",
+                    "tensors": len(xs),
+                    "impl": name,
+                    "median_ms": ms,
+                    "GBps": gbs,
+                    "fraction_of_copy": gbs / copy_gbs,
+                }
+            )
     return rows
 
 
@@ -218,8 +240,11 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, small shapes: checks the script runs")
     args = ap.parse_args()
     device = "cpu" if args.smoke else "cuda"
-    report = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke)", "torch": torch.__version__,
-              "seed": args.seed}
+    report = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke)",
+        "torch": torch.__version__,
+        "seed": args.seed,
+    }
     report["copy_GBps"] = copy_bandwidth(device, (64 << 20) if args.smoke else (4 << 30))
     print(f"device-to-device copy: {report['copy_GBps']:.0f} GB/s (read + written)", flush=True)
     report["parity"] = parity(device, args.seed, args.smoke)
@@ -239,7 +264,8 @@ def main() -> None:
     report["group_parity"] = group_parity(device, args.seed)
     for mode, members in report["group_parity"].items():
         totals["triton_group_bucket"] = totals.get("triton_group_bucket", 0) + sum(
-            m["value_bytes_differ"] + m["scale_entries_differ"] for m in members)
+            m["value_bytes_differ"] + m["scale_entries_differ"] for m in members
+        )
     report["parity_total_differing"] = totals
     report["fp32_ue8m0_torch_cuda_vs_cpu_differing"] = fp32_ue8m0_cuda_log2
     print("parity, differing bytes/entries summed over all cases:", totals, flush=True)
@@ -248,7 +274,9 @@ def main() -> None:
     report["bucket_speed"] = bucket_speed(device, report["copy_GBps"], args.smoke)
     for r in report["speed"] + report["bucket_speed"]:
         label = str(r.get("shape", r.get("bucket")))
-        print(f"{label:>22} {r['impl']:>22} {r['median_ms']:9.3f} ms {r['GBps']:7.0f} GB/s {100 * r['fraction_of_copy']:5.1f}% of copy")
+        print(
+            f"{label:>22} {r['impl']:>22} {r['median_ms']:9.3f} ms {r['GBps']:7.0f} GB/s {100 * r['fraction_of_copy']:5.1f}% of copy"
+        )
     with open(args.json, "w") as f:
         json.dump(report, f, indent=1)
     if any(totals.values()):

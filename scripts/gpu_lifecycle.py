@@ -32,7 +32,7 @@ import time
 import torch
 
 from mxrefit.lifecycle import OptimizerOffloader, PinnedArena, ReferenceSwap
-from mxrefit.shapes import BUILTIN, hf_tensor_specs
+from mxrefit.plan.shapes import BUILTIN, hf_tensor_specs
 
 GiB = 1 << 30
 
@@ -70,8 +70,10 @@ def bandwidth(dev: torch.device, nbytes: int, reps: int) -> dict:
     streams = [torch.cuda.Stream(dev) for _ in range(2)] if cuda else [None, None]
 
     def both():
-        for s, fn in zip(streams, (lambda: devbuf[0].copy_(host[0].data, non_blocking=cuda),
-                                   lambda: host[1].data.copy_(devbuf[1], non_blocking=cuda))):
+        for s, fn in zip(
+            streams,
+            (lambda: devbuf[0].copy_(host[0].data, non_blocking=cuda), lambda: host[1].data.copy_(devbuf[1], non_blocking=cuda)),
+        ):
             if s is None:
                 fn()
             else:
@@ -84,8 +86,9 @@ def bandwidth(dev: torch.device, nbytes: int, reps: int) -> dict:
     t_h2d = median_time(dev, lambda: devbuf[0].copy_(host[0].data, non_blocking=cuda), reps)
     t_d2h = median_time(dev, lambda: host[0].data.copy_(devbuf[0], non_blocking=cuda), reps)
     t_both = median_time(dev, both, reps)
-    out.update(h2d_GBps=nbytes / t_h2d / 1e9, d2h_GBps=nbytes / t_d2h / 1e9, both_s=t_both,
-               both_GBps_per_direction=nbytes / t_both / 1e9)
+    out.update(
+        h2d_GBps=nbytes / t_h2d / 1e9, d2h_GBps=nbytes / t_d2h / 1e9, both_s=t_both, both_GBps_per_direction=nbytes / t_both / 1e9
+    )
     if cuda:  # torch's caching host allocator (cudaHostAlloc): the same copies
         alloc = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         out["torch_pinned_h2d_GBps"] = nbytes / median_time(dev, lambda: devbuf[0].copy_(alloc, non_blocking=True), reps) / 1e9
@@ -96,7 +99,9 @@ def bandwidth(dev: torch.device, nbytes: int, reps: int) -> dict:
     return out
 
 
-def model_shaped(model: str, nbytes: int, dtype: torch.dtype, bytes_per_element: int, dev: torch.device, seed: int) -> list[torch.Tensor]:
+def model_shaped(
+    model: str, nbytes: int, dtype: torch.dtype, bytes_per_element: int, dev: torch.device, seed: int
+) -> list[torch.Tensor]:
     """Tensors with the model's HF shapes, in order, until ``bytes_per_element`` x elements reaches ``nbytes``."""
     g = torch.Generator(device=dev).manual_seed(seed)
     out, total = [], 0
@@ -143,8 +148,9 @@ def offload_bench(dev: torch.device, model: str, state_bytes: int, reps: int, bw
     out["released_bytes"] = reserved - torch.cuda.memory_reserved(dev) if cuda else 0
     off.reload()
     off.wait()
-    out["mismatched_storages"] = sum(not torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-                                     for a, b in zip(tensors, want))
+    out["mismatched_storages"] = sum(
+        not torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)) for a, b in zip(tensors, want)
+    )
     del want
     _free(dev)
     nbytes = off.nbytes
@@ -156,8 +162,13 @@ def offload_bench(dev: torch.device, model: str, state_bytes: int, reps: int, bw
         release_s.append(timed(dev, torch.cuda.empty_cache if dev.type == "cuda" else (lambda: None)))
         reload_s.append(timed(dev, lambda: (off.reload(), off.wait())))
     out["allocated_growth_bytes"] = (torch.cuda.memory_allocated(dev) - before_reps) if cuda else 0
-    out.update(bytes=nbytes, arena_allocations=off.arena_allocations, offload_s=statistics.median(offload_s),
-               reload_s=statistics.median(reload_s), release_s=statistics.median(release_s))
+    out.update(
+        bytes=nbytes,
+        arena_allocations=off.arena_allocations,
+        offload_s=statistics.median(offload_s),
+        reload_s=statistics.median(reload_s),
+        release_s=statistics.median(release_s),
+    )
     out["offload_GBps"] = nbytes / out["offload_s"] / 1e9
     out["reload_GBps"] = nbytes / out["reload_s"] / 1e9
     out["offload_pct_of_d2h"] = 100 * out["offload_GBps"] / bw["d2h_GBps"]
@@ -192,9 +203,15 @@ def overlap_bench(dev: torch.device, off: OptimizerOffloader, reps: int) -> dict
     alone_work = median_time(dev, workload, reps)
     both = median_time(dev, lambda: (workload(), off.offload(), off.wait(release=False), off.reload(), off.wait()), reps)
     hidden = (alone_off + alone_work - both) / min(alone_off, alone_work)
-    return {"what": "offload+reload vs device-to-device copies on another stream", "copy_bytes_each": chunk,
-            "copies": copies, "offload_reload_alone_s": alone_off, "copies_alone_s": alone_work, "both_s": both,
-            "hidden_fraction": hidden}
+    return {
+        "what": "offload+reload vs device-to-device copies on another stream",
+        "copy_bytes_each": chunk,
+        "copies": copies,
+        "offload_reload_alone_s": alone_off,
+        "copies_alone_s": alone_work,
+        "both_s": both,
+        "hidden_fraction": hidden,
+    }
 
 
 def reference_bench(dev: torch.device, model: str, nbytes: int, reps: int, bw: dict) -> dict:
@@ -221,14 +238,19 @@ def reference_bench(dev: torch.device, model: str, nbytes: int, reps: int, bw: d
         ins.append(timed(dev, lambda: (swap.swap_in(), swap.wait())))
         outs.append(timed(dev, lambda: (swap.swap_out(), swap.wait())))
     n = swap.nbytes
-    out.update(swap_in_s=statistics.median(ins[1:]), swap_out_s=statistics.median(outs[1:]),
-               pointers_kept=[t.data_ptr() for t in live_list] == ptrs,
-               allocated_growth_bytes=(torch.cuda.memory_allocated(dev) - before_reps) if dev.type == "cuda" else 0)
+    out.update(
+        swap_in_s=statistics.median(ins[1:]),
+        swap_out_s=statistics.median(outs[1:]),
+        pointers_kept=[t.data_ptr() for t in live_list] == ptrs,
+        allocated_growth_bytes=(torch.cuda.memory_allocated(dev) - before_reps) if dev.type == "cuda" else 0,
+    )
     serial_floor = n / (bw["d2h_GBps"] * 1e9) + n / (bw["h2d_GBps"] * 1e9)
     duplex_floor = n / (bw["both_GBps_per_direction"] * 1e9)
-    out.update(swap_in_pct_of_serial_floor=100 * serial_floor / out["swap_in_s"],
-               swap_in_pct_of_duplex_floor=100 * duplex_floor / out["swap_in_s"],
-               swap_out_GBps=n / out["swap_out_s"] / 1e9)
+    out.update(
+        swap_in_pct_of_serial_floor=100 * serial_floor / out["swap_in_s"],
+        swap_in_pct_of_duplex_floor=100 * duplex_floor / out["swap_in_s"],
+        swap_out_GBps=n / out["swap_out_s"] / 1e9,
+    )
     out["swap_out_pct_of_h2d"] = 100 * out["swap_out_GBps"] / bw["h2d_GBps"]
     swap.close()
     del swap, live, live_list
@@ -248,8 +270,11 @@ def _copy_parts(dev: torch.device, args, result: dict, save) -> bool:
     print(json.dumps(ref), flush=True)
     save()
     result["targets_80pct"] = {
-        "offload": off["offload_pct_of_d2h"] >= 80, "reload": off["reload_pct_of_h2d"] >= 80,
-        "swap_in_vs_serial": ref["swap_in_pct_of_serial_floor"] >= 80, "swap_out": ref["swap_out_pct_of_h2d"] >= 80}
+        "offload": off["offload_pct_of_d2h"] >= 80,
+        "reload": off["reload_pct_of_h2d"] >= 80,
+        "swap_in_vs_serial": ref["swap_in_pct_of_serial_floor"] >= 80,
+        "swap_out": ref["swap_out_pct_of_h2d"] >= 80,
+    }
     exact = off["mismatched_storages"] == 0 and ref["mismatched_in"] == 0 and ref["mismatched_out"] == 0 and ref["pointers_kept"]
     result["bit_exact"] = exact
     save()
@@ -279,8 +304,12 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         dev = torch.device("cuda", torch.cuda.current_device())
         phase_state = int(args.state_gib * GiB)
-    result: dict = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
-                    "smoke": args.smoke, "args": vars(args)}
+    result: dict = {
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "smoke": args.smoke,
+        "args": vars(args),
+    }
 
     def save():
         with open(args.json, "w") as f:
@@ -292,8 +321,14 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_phase:
         from mxrefit.bench.phase import phase_bench
 
-        result["phase"] = phase = phase_bench(args.model, str(dev), steps=args.phase_steps, warmup=1, state_bytes=phase_state,
-                                              bucket_bytes=(1 << 20) if args.smoke else 512 << 20)
+        result["phase"] = phase = phase_bench(
+            args.model,
+            str(dev),
+            steps=args.phase_steps,
+            warmup=1,
+            state_bytes=phase_state,
+            bucket_bytes=(1 << 20) if args.smoke else 512 << 20,
+        )
         for mode, m in phase["modes"].items():
             print(mode, json.dumps(m["generation"]), json.dumps(m["training"]), flush=True)
         exact = exact and phase["state_sample_mismatched"] == 0 and not phase["check"]["mismatched"]

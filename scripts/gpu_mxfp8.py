@@ -18,8 +18,8 @@ import time
 import torch
 
 from mxrefit.formats import _mxfp8_triton, mxfp8
-from mxrefit.formats.mxfp8_cases import adversarial_suite, random_normal
-from mxrefit.formats.mxfp8_oracle import reference_quantize
+from mxrefit.formats.reference.mxfp8_cases import adversarial_suite, random_normal
+from mxrefit.formats.reference.mxfp8_oracle import reference_quantize
 
 
 def median_ms(fn, warmup: int = 3, reps: int = 15, per_graph: int = 1) -> float:
@@ -68,8 +68,12 @@ def parity(seed: int) -> list[dict]:
     cases = dict(adversarial_suite())
     g = torch.Generator().manual_seed(seed)
     cases["fresh_normal"] = (torch.randn(512, 2048, generator=g) * 0.02).to(torch.bfloat16)
-    cases["fresh_bits"] = torch.randint(-(1 << 15), 1 << 15, (2048, 1024), generator=g, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-    cases["fresh_bits"] = torch.where(torch.isfinite(cases["fresh_bits"]), cases["fresh_bits"], torch.zeros((), dtype=torch.bfloat16))
+    cases["fresh_bits"] = (
+        torch.randint(-(1 << 15), 1 << 15, (2048, 1024), generator=g, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    )
+    cases["fresh_bits"] = torch.where(
+        torch.isfinite(cases["fresh_bits"]), cases["fresh_bits"], torch.zeros((), dtype=torch.bfloat16)
+    )
     cases["w13_like_3d"] = random_normal((8, 1536, 2048), 0.02, seed=seed + 1)
     cases["ragged_3d"] = random_normal((3, 77, 32 * 13), 3.0, seed=seed + 2)
     cases["fp16_normal"] = random_normal((256, 1024), 1e-3, seed=seed + 3, dtype=torch.float16)
@@ -108,7 +112,8 @@ def speed(copy_gbs: float) -> list[dict]:
         for nb in (32, 64, 128, 256):
             for warps in (4, 8):
                 variants[f"triton_hw_nb{nb}_w{warps}"] = lambda n=nb, w=warps: _mxfp8_triton.quantize_into(
-                    x, v, s, 0, blocks_per_program=n, num_warps=w, int_round=False, bad=bad)
+                    x, v, s, 0, blocks_per_program=n, num_warps=w, int_round=False, bad=bad
+                )
         variants["triton_int_nb128_w4"] = lambda: _mxfp8_triton.quantize_into(x, v, s, 0, int_round=True, bad=bad)
         variants["torch_ops"] = lambda: mxfp8._quantize_torch(x, v, s, 0, "x")
         for name, fn in variants.items():
@@ -140,7 +145,9 @@ def main() -> None:
     print("parity, differing bytes summed over all cases:", worst)
     report["speed"] = speed(report["copy_GBps"])
     for r in report["speed"]:
-        print(f"{str(r['shape']):>18} {r['impl']:>18} {r['median_ms']:8.3f} ms {r['GBps']:7.0f} GB/s {100 * r['fraction_of_copy']:5.1f}% of copy")
+        print(
+            f"{str(r['shape']):>18} {r['impl']:>18} {r['median_ms']:8.3f} ms {r['GBps']:7.0f} GB/s {100 * r['fraction_of_copy']:5.1f}% of copy"
+        )
     with open(args.json, "w") as f:
         json.dump(report, f, indent=1)
 

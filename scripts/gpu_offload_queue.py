@@ -62,7 +62,7 @@ def main() -> None:
     rows["d2h_arena"] = timed_queue(lambda: d2h(arena.view))
     rows["h2d_arena"] = timed_queue(h2d)
     pinned = torch.empty(total, dtype=torch.uint8, pin_memory=True)
-    rows["d2h_torch_pinned"] = timed_queue(lambda: d2h(lambda o, n: pinned[o:o + n]))
+    rows["d2h_torch_pinned"] = timed_queue(lambda: d2h(lambda o, n: pinned[o : o + n]))
     del pinned
     one = torch.empty(total, dtype=torch.uint8, device=dev)
     rows["d2h_one_copy"] = timed_queue(lambda: arena.view(0, total).copy_(one, non_blocking=True))
@@ -89,9 +89,15 @@ def main() -> None:
         torch.cuda.synchronize()
         r_done = time.perf_counter() - t
         if phase:
-            rows.setdefault("offloader", []).append({"offload_queue_s": queued, "offload_total_s": done,
-                                                     "reload_queue_s": r_queued, "reload_total_s": r_done,
-                                                     "bytes": off.nbytes})
+            rows.setdefault("offloader", []).append(
+                {
+                    "offload_queue_s": queued,
+                    "offload_total_s": done,
+                    "reload_queue_s": r_queued,
+                    "reload_total_s": r_done,
+                    "bytes": off.nbytes,
+                }
+            )
     for name, row in rows.items():
         print(name, row)
     if args.json:

@@ -13,14 +13,14 @@ import json
 import torch
 from cuda_timing import timed
 
-from mxrefit.finite_check import FiniteCheck
 from mxrefit.formats import _mxfp8_triton as k
+from mxrefit.formats.finite_check import FiniteCheck
 
 
 def trtllm_rows(dev: torch.device) -> dict:
     """The TRT-LLM layout kernels on one Qwen3-30B-A3B layer's experts against a copy of the same bytes."""
-    from mxrefit.engines import _trtllm_triton as lay
-    from mxrefit.engines.trtllm import interleaved_size, moe_row_permutation
+    from mxrefit.integrations.vllm import _trtllm_triton as lay
+    from mxrefit.integrations.vllm.trtllm import interleaved_size, moe_row_permutation
 
     rows = {}
     for name, (e, m, kk, gated) in {"w13": (128, 1536, 2048, True), "w2": (128, 2048, 768, False)}.items():

@@ -17,7 +17,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 bench() { python3 -m mxrefit bench --device cuda --no-progress "$@"; }
 if has tests; then
-  python3 -m pytest -q -p no:cacheprovider tests/test_buffers.py tests/test_direct.py tests/test_finite_check.py -k cuda 2>&1 | tail -5
+  python3 -m pytest -q -p no:cacheprovider tests/integration/test_buffers.py tests/integration/test_direct.py tests/unit/test_finite_check.py -k cuda 2>&1 | tail -5
   bench --steps 5 --mode all --json $OUT/bench_tiny_cuda.json
 fi
 if has profile; then

@@ -3,7 +3,7 @@
     python scripts/gpu_soak.py                 # on the H200: JSON to $OUT/gpu_soak.json (about 4 minutes, 9.5 at most)
     python scripts/gpu_soak.py --smoke         # on a CPU: tiny model over shared memory, CUDA-only runs skipped
 
-Runs, each a fresh trainer process that spawns its engine process (``vllm_layout`` tables in a
+Runs, each a fresh trainer process that spawns its engine process (``integrations.vllm.layout`` tables in a
 ``LayoutEngine``, a real ``Receiver``; the trainer is a real ``Sender``):
 - ``direct``: ``--refits`` refits (100), the trainer writing into the engine's exported arena
   (the default transport on one GPU);
@@ -45,6 +45,7 @@ EXPANDABLE_ENV = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 
 # ---- measurements -------------------------------------------------------------------------
 
+
 def _rss(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
@@ -56,8 +57,13 @@ def _rss(pid: int) -> int:
 def _proc_counts(pid: int) -> dict:
     with open(f"/proc/{pid}/maps") as f:
         maps = f.read().splitlines()
-    return {"rss": _rss(pid), "fds": len(os.listdir(f"/proc/{pid}/fd")), "maps": len(maps),
-            "nvidia_maps": sum("/dev/nvidia" in m for m in maps), "shm_maps": sum("/dev/shm/" in m for m in maps)}
+    return {
+        "rss": _rss(pid),
+        "fds": len(os.listdir(f"/proc/{pid}/fd")),
+        "maps": len(maps),
+        "nvidia_maps": sum("/dev/nvidia" in m for m in maps),
+        "shm_maps": sum("/dev/shm/" in m for m in maps),
+    }
 
 
 def _objects() -> dict:
@@ -77,14 +83,19 @@ def _cuda_counts(device: torch.device) -> dict:
 
 def _nvidia_smi_used_mib() -> int | None:
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
-                             capture_output=True, text=True, timeout=30).stdout
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
         return int(out.split()[0])
     except (OSError, ValueError, IndexError, subprocess.SubprocessError):
         return None
 
 
 # ---- engine process -----------------------------------------------------------------------
+
 
 def _answer_probes(conn, device: torch.device, receiver) -> None:
     while True:
@@ -99,10 +110,10 @@ def _answer_probes(conn, device: torch.device, receiver) -> None:
 
 def engine_main(conn, probe_conn, model: str, device: str, timeout_s: float) -> None:
     from mxrefit.devices import bind
-    from mxrefit.engines.layout import LayoutEngine
-    from mxrefit.engines.vllm_layout import vllm_destinations, vllm_params
-    from mxrefit.receiver import Receiver
-    from mxrefit.shapes import BUILTIN
+    from mxrefit.engine.layout import LayoutEngine
+    from mxrefit.engine.receiver import Receiver
+    from mxrefit.integrations.vllm.layout import vllm_destinations, vllm_params
+    from mxrefit.plan.shapes import BUILTIN
 
     dev = bind(device)
     shape = BUILTIN[model]
@@ -117,6 +128,7 @@ def engine_main(conn, probe_conn, model: str, device: str, timeout_s: float) -> 
 
 
 # ---- one run (this process is the trainer) ------------------------------------------------
+
 
 def _buffers_expandable(sender) -> list[bool]:
     segments = torch.cuda.memory_snapshot()
@@ -146,10 +158,10 @@ def _flat(samples: list[dict]) -> dict:
 def trainer_run(model: str, device: str, refits: int, bucket_mb: int, transport: str, out_path: str) -> None:
     from mxrefit.bench.run import _sample_check, make_weights
     from mxrefit.devices import bind
-    from mxrefit.engines.vllm_layout import vllm_destinations
-    from mxrefit.plan import SourceSpec
-    from mxrefit.sender import Sender
-    from mxrefit.shapes import BUILTIN, hf_tensor_specs
+    from mxrefit.integrations.vllm.layout import vllm_destinations
+    from mxrefit.plan.build import SourceSpec
+    from mxrefit.plan.shapes import BUILTIN, hf_tensor_specs
+    from mxrefit.source.sender import Sender
 
     dev = bind(device)
     shape = BUILTIN[model]
@@ -161,15 +173,23 @@ def trainer_run(model: str, device: str, refits: int, bucket_mb: int, transport:
     probe, probe_child = ctx.Pipe()
     proc = ctx.Process(target=engine_main, args=(child, probe_child, model, device, 300.0), daemon=True)
     proc.start()
-    result: dict = {"model": model, "device": device, "tensors": len(specs), "refits": refits, "transport": transport,
-                    "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "ok": False}
+    result: dict = {
+        "model": model,
+        "device": device,
+        "tensors": len(specs),
+        "refits": refits,
+        "transport": transport,
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+        "ok": False,
+    }
     sender = None
     try:
         if not conn.poll(180):
             raise RuntimeError("the engine process did not start within 180 s")
         hello = conn.recv()
-        sender = Sender(hello["address"], hello["token"], device=dev, bucket_bytes=bucket_mb << 20, timeout_s=300,
-                        transport=transport)
+        sender = Sender(
+            hello["address"], hello["token"], device=dev, bucket_bytes=bucket_mb << 20, timeout_s=300, transport=transport
+        )
         sender.plan(specs)
         result["transport_used"] = sender.transport
         if dev.type == "cuda":
@@ -190,18 +210,22 @@ def trainer_run(model: str, device: str, refits: int, bucket_mb: int, transport:
                 probe.send("probe")
                 engine_side = probe.recv() if probe.poll(60) else {}
                 free, total = torch.cuda.mem_get_info(dev) if dev.type == "cuda" else (0, 0)
-                samples.append({
-                    "refit": refit,
-                    "trainer": {**_proc_counts(os.getpid()), **_cuda_counts(dev), **_objects()},
-                    "engine": {**_proc_counts(proc.pid), **engine_side},
-                    "device_used": total - free if dev.type == "cuda" else None,
-                    "nvidia_smi_used_mib": _nvidia_smi_used_mib() if dev.type == "cuda" else None,
-                })
+                samples.append(
+                    {
+                        "refit": refit,
+                        "trainer": {**_proc_counts(os.getpid()), **_cuda_counts(dev), **_objects()},
+                        "engine": {**_proc_counts(proc.pid), **engine_side},
+                        "device_used": total - free if dev.type == "cuda" else None,
+                        "nvidia_smi_used_mib": _nvidia_smi_used_mib() if dev.type == "cuda" else None,
+                    }
+                )
         result.update(times_s=times, samples=samples, byte_checks=checks, flat=_flat(samples))
         result["bytes_exact"] = all(not c["mismatched"] for c in checks)
         # the buffers must be plain cudaMalloc memory; under expandable_segments:True the weights must not be
-        expandable_ok = dev.type != "cuda" or (not any(result["buffers_expandable"]) and (
-            "expandable_segments:True" not in (result["alloc_conf"] or "") or result["weights_expandable"]))
+        expandable_ok = dev.type != "cuda" or (
+            not any(result["buffers_expandable"])
+            and ("expandable_segments:True" not in (result["alloc_conf"] or "") or result["weights_expandable"])
+        )
         result["ok"] = result["bytes_exact"] and all(result["flat"].values()) and expandable_ok
     except Exception:
         result["error"] = traceback.format_exc()
@@ -220,9 +244,10 @@ def trainer_run(model: str, device: str, refits: int, bucket_mb: int, transport:
 
 # ---- diagnostic: torch's own sharing of expandable memory ---------------------------------
 
+
 def _open_raw(desc: dict, conn) -> None:
     try:
-        from mxrefit.transport.buffers import open_buffers
+        from mxrefit.transport.factory import open_buffers
 
         opened = open_buffers(desc)
         conn.send({"opened": True, "first_bytes": opened.buffers[0][:4].cpu().tolist()})
@@ -237,16 +262,23 @@ def raw_expandable_ipc(out_path: str) -> None:
     result: dict = {"alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
     t = torch.full((64 << 20,), 7, dtype=torch.uint8, device="cuda")
     torch.cuda.synchronize()
-    result["tensor_expandable"] = any(s["address"] <= t.data_ptr() < s["address"] + s["total_size"]
-                                      and s.get("is_expandable", False) for s in torch.cuda.memory_snapshot())
+    result["tensor_expandable"] = any(
+        s["address"] <= t.data_ptr() < s["address"] + s["total_size"] and s.get("is_expandable", False)
+        for s in torch.cuda.memory_snapshot()
+    )
     try:
         fields = list(t.untyped_storage()._share_cuda_())
         result["exported"] = True
     except Exception as err:
         result.update(exported=False, export_error=f"{type(err).__name__}: {err}"[:500])
     if result["exported"]:
-        desc = {"kind": "cuda_ipc", "nbytes": t.numel(), "device_uuid": _device_uuid(torch.cuda.current_device()),
-                "owner_id": "diagnostic", "exports": [fields]}
+        desc = {
+            "kind": "cuda_ipc",
+            "nbytes": t.numel(),
+            "device_uuid": _device_uuid(torch.cuda.current_device()),
+            "owner_id": "diagnostic",
+            "exports": [fields],
+        }
         ctx = mp.get_context("spawn")
         conn, child = ctx.Pipe()
         proc = ctx.Process(target=_open_raw, args=(desc, child))
@@ -259,6 +291,7 @@ def raw_expandable_ipc(out_path: str) -> None:
 
 
 # ---- orchestration -------------------------------------------------------------------------
+
 
 def _child(args: list[str], env: dict, out_path: str, timeout_s: float) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), *args, "--result", out_path]
@@ -280,15 +313,19 @@ def _summary(name: str, run: dict) -> str:
     if "samples" not in run:
         return f"{name}: FAILED {run.get('error', '')[-800:]}"
     times = run["times_s"]
-    lines = [f"{name} ({run.get('transport_used')}): ok={run['ok']} refits={len(times)} first={times[0]:.3f}s "
-             f"median={sorted(times)[len(times) // 2]:.3f}s "
-             f"last={times[-1]:.3f}s bytes_exact={run['bytes_exact']} buffers_expandable={run.get('buffers_expandable')}"]
+    lines = [
+        f"{name} ({run.get('transport_used')}): ok={run['ok']} refits={len(times)} first={times[0]:.3f}s "
+        f"median={sorted(times)[len(times) // 2]:.3f}s "
+        f"last={times[-1]:.3f}s bytes_exact={run['bytes_exact']} buffers_expandable={run.get('buffers_expandable')}"
+    ]
     for s in run["samples"]:
         t, e = s["trainer"], s["engine"]
-        lines.append(f"  refit {s['refit']:4d}: trainer rss {t['rss'] >> 20} MiB fds {t['fds']} nv-maps {t['nvidia_maps']} "
-                     f"alloc {t.get('allocated', 0) >> 20} MiB | engine rss {e['rss'] >> 20} MiB fds {e['fds']} "
-                     f"nv-maps {e['nvidia_maps']} alloc {e.get('allocated', 0) >> 20} MiB | device used "
-                     f"{(s['device_used'] or 0) >> 20} MiB")
+        lines.append(
+            f"  refit {s['refit']:4d}: trainer rss {t['rss'] >> 20} MiB fds {t['fds']} nv-maps {t['nvidia_maps']} "
+            f"alloc {t.get('allocated', 0) >> 20} MiB | engine rss {e['rss'] >> 20} MiB fds {e['fds']} "
+            f"nv-maps {e['nvidia_maps']} alloc {e.get('allocated', 0) >> 20} MiB | device used "
+            f"{(s['device_used'] or 0) >> 20} MiB"
+        )
     lines += [f"  NOT FLAT: {k}" for k, v in run["flat"].items() if not v]
     return "\n".join(lines)
 
@@ -327,14 +364,23 @@ def main() -> int:
         p.error(f"--refits must be at least {WARM} (flatness is measured from refit {WARM})")
     bucket_mb = args.bucket_mb if cuda else 1
     os.makedirs(args.out, exist_ok=True)
-    report: dict = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
-                    "model": model, "refits": refits, "bucket_mb": bucket_mb, "runs": {}}
+    report: dict = {
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "model": model,
+        "refits": refits,
+        "bucket_mb": bucket_mb,
+        "runs": {},
+    }
     started = time.perf_counter()
     out_json = os.path.join(args.out, "gpu_soak.json")
     # (name, environment, transport, refits, time limit): at most 150 + 150 + 110 + 110 + 60 s
-    runs = [("direct", {}, "direct", refits, 150), ("buffers", {}, "cuda_ipc", refits, 150),
-            ("buffers_expandable", EXPANDABLE_ENV, "cuda_ipc", 30, 110),
-            ("direct_expandable", EXPANDABLE_ENV, "direct", 30, 110)]
+    runs = [
+        ("direct", {}, "direct", refits, 150),
+        ("buffers", {}, "cuda_ipc", refits, 150),
+        ("buffers_expandable", EXPANDABLE_ENV, "cuda_ipc", 30, 110),
+        ("direct_expandable", EXPANDABLE_ENV, "direct", 30, 110),
+    ]
     if not cuda:  # the same two data paths over host shared memory
         runs = [("direct", {}, "direct", refits, 240), ("buffers", {}, "shm", refits, 240)]
         report["skipped"] = "the expandable_segments runs and the raw IPC diagnostic need CUDA"
@@ -345,13 +391,26 @@ def main() -> int:
             p.error(f"--runs: unknown {sorted(unknown)}; choose from {[r[0] for r in runs]}")
         runs = [next(r for r in runs if r[0] == name) for name in wanted]
     for name, env, transport, n, limit in runs:
-        args_ = ["--role", "trainer", "--model", model, "--device", device, "--refits", str(n),
-                 "--bucket-mb", str(bucket_mb), "--transport", transport]
+        args_ = [
+            "--role",
+            "trainer",
+            "--model",
+            model,
+            "--device",
+            device,
+            "--refits",
+            str(n),
+            "--bucket-mb",
+            str(bucket_mb),
+            "--transport",
+            transport,
+        ]
         report["runs"][name] = _child(args_, env, os.path.join(args.out, f"gpu_soak_{name}.part.json"), limit)
         _write(out_json, report, started)  # written after every step: a cut-off run still leaves its figures
     if cuda and not args.runs:
-        report["raw_expandable_ipc"] = _child(["--role", "raw-expandable-ipc"], EXPANDABLE_ENV,
-                                              os.path.join(args.out, "gpu_soak_raw.part.json"), 60)
+        report["raw_expandable_ipc"] = _child(
+            ["--role", "raw-expandable-ipc"], EXPANDABLE_ENV, os.path.join(args.out, "gpu_soak_raw.part.json"), 60
+        )
     _write(out_json, report, started)
     for name, run in report["runs"].items():
         print(_summary(name, run))

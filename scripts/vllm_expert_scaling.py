@@ -29,17 +29,28 @@ def model_with(experts: int, seed: int):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen3MoeConfig(vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                         num_experts=experts, num_experts_per_tok=2, decoder_sparse_step=1, tie_word_embeddings=False)
+    cfg = Qwen3MoeConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=experts,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        tie_word_embeddings=False,
+    )
     return Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
 
 
 def run(experts: int, steps: int) -> dict:
     import vllm_models as vm
 
-    from mxrefit.engines.vllm import refit_while
-    from mxrefit.sender import Sender
+    from mxrefit.integrations.vllm.client import refit_while
+    from mxrefit.source.sender import Sender
 
     with tempfile.TemporaryDirectory() as path:
         model_with(experts, 0).save_pretrained(path)

@@ -37,13 +37,32 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # vllm_oracle's worker probes
 
 QWEN3_30B = {
-    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
-    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
-    "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "intermediate_size": 6144,
-    "vocab_size": 151936, "tie_word_embeddings": False, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
-    "rope_theta": 1000000.0, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
-    "hidden_act": "silu", "attention_bias": False, "torch_dtype": "bfloat16", "bos_token_id": 151643,
-    "eos_token_id": 151645, "output_router_logits": False, "router_aux_loss_coef": 0.001,
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768,
+    "intermediate_size": 6144,
+    "vocab_size": 151936,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "norm_topk_prob": True,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "output_router_logits": False,
+    "router_aux_loss_coef": 0.001,
 }
 
 
@@ -52,8 +71,8 @@ def log(*a) -> None:
 
 
 def config_dir(path: str, fmt: str, layers: int) -> str:
-    from mxrefit.checkpoint import quant_block
-    from mxrefit.eligibility import DEFAULT_RULES
+    from mxrefit.plan.eligibility import DEFAULT_RULES
+    from mxrefit.source.checkpoint import quant_block
 
     os.makedirs(path, exist_ok=True)
     cfg = dict(QWEN3_30B, num_hidden_layers=layers)
@@ -128,8 +147,7 @@ def first_token_s(llm) -> float:
     from vllm import SamplingParams
 
     t0 = time.perf_counter()
-    llm.generate([{"prompt_token_ids": [1, 2, 3, 4, 5, 6, 7, 8]}], SamplingParams(max_tokens=1, temperature=0),
-                 use_tqdm=False)
+    llm.generate([{"prompt_token_ids": [1, 2, 3, 4, 5, 6, 7, 8]}], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
     return time.perf_counter() - t0
 
 
@@ -138,7 +156,7 @@ def trainer_weights(layers: int):
 
     import torch
 
-    from mxrefit.shapes import BUILTIN, hf_tensor_specs
+    from mxrefit.plan.shapes import BUILTIN, hf_tensor_specs
 
     shape = replace(BUILTIN["qwen3-30b-a3b"], layers=layers)
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -155,7 +173,7 @@ def checkpoint_stream(weights: dict, fmt: str, stats: dict):
     (per-expert values + uint8 ``_scale``) quantized here by vLLM's own ``mxfp8_e4m3_quantize``."""
     import torch
 
-    from mxrefit.eligibility import DEFAULT_RULES
+    from mxrefit.plan.eligibility import DEFAULT_RULES
 
     if fmt == "bf16":
         yield from weights.items()
@@ -200,7 +218,7 @@ def soak(args, llm, sender, weights: dict, dump) -> dict:
     import vllm_oracle
     from vllm import SamplingParams
 
-    from mxrefit.engines.vllm import refit_while
+    from mxrefit.integrations.vllm.client import refit_while
 
     cloudpickle.register_pickle_by_value(vllm_oracle)  # the worker cannot import scripts/
     sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
@@ -214,11 +232,18 @@ def soak(args, llm, sender, weights: dict, dump) -> dict:
         llm.reset_prefix_cache()
         llm.generate([{"prompt_token_ids": [1, 2, 3, 4, 5, 6, 7, 8]}] * 4, sp, use_tqdm=False)
         if i == 1 or i % 10 == 0:
-            row = {"refit": i, **vllm_oracle.worker_stats(llm), "trainer_rss_mb": _rss_mb(),
-                   "trainer_fds": len(os.listdir("/proc/self/fd")), "trainer_allocated_mb": torch.cuda.memory_allocated() / 2**20}
+            row = {
+                "refit": i,
+                **vllm_oracle.worker_stats(llm),
+                "trainer_rss_mb": _rss_mb(),
+                "trainer_fds": len(os.listdir("/proc/self/fd")),
+                "trainer_allocated_mb": torch.cuda.memory_allocated() / 2**20,
+            }
             out["samples"].append(row)
-            log(f"soak {i}: {r.total_s * 1e3:.1f} ms, worker rss {row['rss_mb']:.0f} MB fds {row['fds']} "
-                f"nvidia maps {row['nvidia_maps']} reserved {row.get('reserved_mb', 0):.0f} MB, device {row['device_used_gb']:.2f} GB")
+            log(
+                f"soak {i}: {r.total_s * 1e3:.1f} ms, worker rss {row['rss_mb']:.0f} MB fds {row['fds']} "
+                f"nvidia maps {row['nvidia_maps']} reserved {row.get('reserved_mb', 0):.0f} MB, device {row['device_used_gb']:.2f} GB"
+            )
             dump()
     first, last = out["samples"][1], out["samples"][-1]
     out["growth_from_refit_10"] = {k: last[k] - first[k] for k in first if isinstance(first[k], (int, float)) and k != "pid"}
@@ -235,14 +260,24 @@ def run_format(args, fmt: str, weights: dict, result: dict, dump) -> None:
     import torch
     from vllm import LLM
 
-    from mxrefit.engines.vllm import refit_while
-    from mxrefit.sender import Sender
+    from mxrefit.integrations.vllm.client import refit_while
+    from mxrefit.source.sender import Sender
 
     path = config_dir(os.path.join(args.work, fmt), fmt, args.layers)
-    kw = dict(model=path, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=512,
-              max_num_seqs=8, seed=0, gpu_memory_utilization=args.gpu_util, kv_cache_memory_bytes=2 << 30,
-              attention_config={"backend": "FLASH_ATTN"}, worker_extension_cls="mxrefit.engines.vllm.RefitWorkerExtension",
-              compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8]})
+    kw = dict(
+        model=path,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=512,
+        max_num_seqs=8,
+        seed=0,
+        gpu_memory_utilization=args.gpu_util,
+        kv_cache_memory_bytes=2 << 30,
+        attention_config={"backend": "FLASH_ATTN"},
+        worker_extension_cls="mxrefit.integrations.vllm.worker.RefitWorkerExtension",
+        compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8]},
+    )
     if args.own_refits:
         kw["weight_transfer_config"] = {"backend": "ipc"}
     if args.moe_backend:
@@ -270,20 +305,35 @@ def run_format(args, fmt: str, weights: dict, result: dict, dump) -> None:
                 r = refit_while(lambda: llm.collective_rpc("mxrefit_receive"), sender, weights)
             llm.reset_prefix_cache()
             ttft = first_token_s(llm)
-            row = {"total_ms": r.total_s * 1e3, "check_ms": r.check_s * 1e3, "pack_ms": r.pack_s * 1e3,
-                   "wait_ms": r.wait_s * 1e3, "engine_fetch_ms": r.engine_fetch_s * 1e3,
-                   "engine_apply_ms": r.engine_apply_s * 1e3, "engine_process_ms": r.engine_process_s * 1e3,
-                   "engine_after_refit_ms": r.engine_after_refit_s * 1e3, "bytes": r.bytes, "buckets": r.buckets,
-                   "transport": r.transport, "extra": r.extra, "peak_extra_device_gb": mem.extra_gb,
-                   "peak_extra_trainer_gb": mem.trainer_extra_gb, "device_gb_left_after": mem.after_gb,
-                   "first_token_after_s": ttft}
+            row = {
+                "total_ms": r.total_s * 1e3,
+                "check_ms": r.check_s * 1e3,
+                "pack_ms": r.pack_s * 1e3,
+                "wait_ms": r.wait_s * 1e3,
+                "engine_fetch_ms": r.engine_fetch_s * 1e3,
+                "engine_apply_ms": r.engine_apply_s * 1e3,
+                "engine_process_ms": r.engine_process_s * 1e3,
+                "engine_after_refit_ms": r.engine_after_refit_s * 1e3,
+                "bytes": r.bytes,
+                "buckets": r.buckets,
+                "transport": r.transport,
+                "extra": r.extra,
+                "peak_extra_device_gb": mem.extra_gb,
+                "peak_extra_trainer_gb": mem.trainer_extra_gb,
+                "device_gb_left_after": mem.after_gb,
+                "first_token_after_s": ttft,
+            }
             refits.append(row)
-            log(f"{fmt}: mxrefit {i + 1}: {row['total_ms']:.1f} ms (process {row['engine_process_ms']:.1f} ms, "
-                f"{r.bytes / 1e9:.2f} GB, {r.transport}), peak +{mem.extra_gb:.2f} GB, first token {ttft * 1e3:.1f} ms")
+            log(
+                f"{fmt}: mxrefit {i + 1}: {row['total_ms']:.1f} ms (process {row['engine_process_ms']:.1f} ms, "
+                f"{r.bytes / 1e9:.2f} GB, {r.transport}), peak +{mem.extra_gb:.2f} GB, first token {ttft * 1e3:.1f} ms"
+            )
         res["mxrefit"] = refits
         res["mxrefit_median_ms"] = statistics.median(r["total_ms"] for r in refits[1:] or refits)
         # MXREFIT_PROFILE=1: the engine's post-load processing per module kind, summed over the refits above
-        res["process_by_kind_ms_per_refit"] = {k: v * 1e3 / args.refits for k, v in llm.collective_rpc(_process_by_kind)[0].items()}
+        res["process_by_kind_ms_per_refit"] = {
+            k: v * 1e3 / args.refits for k, v in llm.collective_rpc(_process_by_kind)[0].items()
+        }
         dump()
         if args.soak:
             res["soak"] = soak(args, llm, sender, weights, dump)
@@ -307,19 +357,28 @@ def run_format(args, fmt: str, weights: dict, result: dict, dump) -> None:
                     t1 = time.perf_counter()
                     with torch.no_grad():
                         IPCWeightTransferEngine.trainer_send_weights(
-                            checkpoint_stream(weights, fmt, stats), {"send_mode": send, "packed": True})
+                            checkpoint_stream(weights, fmt, stats), {"send_mode": send, "packed": True}
+                        )
                     t2 = time.perf_counter()
                     llm.finish_weight_update()
                     t3 = time.perf_counter()
                 llm.reset_prefix_cache()
                 ttft = first_token_s(llm)
-                row = {"total_ms": (t3 - t0) * 1e3, "start_ms": (t1 - t0) * 1e3, "send_and_load_ms": (t2 - t1) * 1e3,
-                       "trainer_quantize_ms": stats["quantize_s"] * 1e3, "finish_ms": (t3 - t2) * 1e3,
-                       "peak_extra_device_gb": mem.extra_gb, "peak_extra_trainer_gb": mem.trainer_extra_gb,
-                       "first_token_after_s": ttft}
+                row = {
+                    "total_ms": (t3 - t0) * 1e3,
+                    "start_ms": (t1 - t0) * 1e3,
+                    "send_and_load_ms": (t2 - t1) * 1e3,
+                    "trainer_quantize_ms": stats["quantize_s"] * 1e3,
+                    "finish_ms": (t3 - t2) * 1e3,
+                    "peak_extra_device_gb": mem.extra_gb,
+                    "peak_extra_trainer_gb": mem.trainer_extra_gb,
+                    "first_token_after_s": ttft,
+                }
                 own.append(row)
-                log(f"{fmt}: vLLM IPC {i + 1}: {row['total_ms']:.1f} ms (send+load {row['send_and_load_ms']:.1f}, "
-                    f"finish {row['finish_ms']:.1f}), peak +{mem.extra_gb:.2f} GB, first token {ttft * 1e3:.1f} ms")
+                log(
+                    f"{fmt}: vLLM IPC {i + 1}: {row['total_ms']:.1f} ms (send+load {row['send_and_load_ms']:.1f}, "
+                    f"finish {row['finish_ms']:.1f}), peak +{mem.extra_gb:.2f} GB, first token {ttft * 1e3:.1f} ms"
+                )
             res["vllm_ipc"] = own
             res["vllm_ipc_median_ms"] = statistics.median(r["total_ms"] for r in own)
             res["speedup"] = res["vllm_ipc_median_ms"] / res["mxrefit_median_ms"]
@@ -345,8 +404,12 @@ def main() -> int:
     p.add_argument("--bucket-mb", type=int, default=512)
     p.add_argument("--gpu-util", type=float, default=0.45)
     p.add_argument("--moe-backend", default=None)
-    p.add_argument("--max-batched-tokens", type=int, default=256,
-                   help="max_num_batched_tokens: vLLM's start-up warm-up forward runs this many tokens")
+    p.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=256,
+        help="max_num_batched_tokens: vLLM's start-up warm-up forward runs this many tokens",
+    )
     p.add_argument("--soak", type=int, default=0, help="then this many refits with generation between, resources sampled")
     p.add_argument("--work", default="/tmp/mxrefit_headline")
     p.add_argument("--json", default="headline.json")
@@ -378,8 +441,10 @@ def main() -> int:
         dump()
         r = result.get(fmt, {})
         if "mxrefit_median_ms" in r:
-            log(f"{fmt}: mxrefit {r['mxrefit_median_ms']:.1f} ms, vLLM IPC {r.get('vllm_ipc_median_ms', float('nan')):.1f} ms, "
-                f"speedup {r.get('speedup', float('nan')):.1f}x, floor {result['floor_ms'][fmt]:.1f} ms")
+            log(
+                f"{fmt}: mxrefit {r['mxrefit_median_ms']:.1f} ms, vLLM IPC {r.get('vllm_ipc_median_ms', float('nan')):.1f} ms, "
+                f"speedup {r.get('speedup', float('nan')):.1f}x, floor {result['floor_ms'][fmt]:.1f} ms"
+            )
     dump()
     return 0
 

@@ -63,8 +63,16 @@ def child(args) -> int:
     base, *flags = variant.split("-")
     from vllm import LLM, SamplingParams
 
-    kw = dict(skip_tokenizer_init=True, dtype="bfloat16", max_model_len=256, max_num_seqs=8, seed=0,
-              gpu_memory_utilization=0.05, kv_cache_memory_bytes=1 << 30, attention_config={"backend": "FLASH_ATTN"})
+    kw = dict(
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=256,
+        max_num_seqs=8,
+        seed=0,
+        gpu_memory_utilization=0.05,
+        kv_cache_memory_bytes=1 << 30,
+        attention_config={"backend": "FLASH_ATTN"},
+    )
     if "profile" in flags:  # the settings of the start that hung (shared/vllm-h200 vsmoke.py): vLLM profiles memory
         kw.update(gpu_memory_utilization=0.3, max_model_len=512)
         del kw["kv_cache_memory_bytes"]
@@ -92,10 +100,14 @@ def child(args) -> int:
                 t1 = time.perf_counter()
                 llm.generate([{"prompt_token_ids": prompt}], sp1, use_tqdm=False)
                 times.append(time.perf_counter() - t1)
-            print(f"VARIANT-SCALE {args.variant} prompt {n} tokens: prefill {min(times) * 1e3:.1f} ms "
-                  f"(first {times[0] * 1e3:.1f} ms)", flush=True)
-    out = llm.generate([{"prompt_token_ids": [1, 5, 9, 42, 7]}],
-                       SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+            print(
+                f"VARIANT-SCALE {args.variant} prompt {n} tokens: prefill {min(times) * 1e3:.1f} ms "
+                f"(first {times[0] * 1e3:.1f} ms)",
+                flush=True,
+            )
+    out = llm.generate(
+        [{"prompt_token_ids": [1, 5, 9, 42, 7]}], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False
+    )
     print(f"VARIANT-OK {args.variant} up {up:.1f}s tokens {list(out[0].outputs[0].token_ids)}", flush=True)
     llm.llm_engine.engine_core.shutdown()
     return 0
@@ -130,15 +142,23 @@ def main() -> int:
         os.makedirs(vdir, exist_ok=True)
         for old in glob.glob(os.path.join(vdir, "fh_*.txt")):
             os.remove(old)
-        env = dict(os.environ, MXREFIT_FAULTHANDLER=vdir, PYTHONUNBUFFERED="1",
-                   PYTHONPATH=os.pathsep.join([HOOKS, ROOT, os.environ.get("PYTHONPATH", "")]))
+        env = dict(
+            os.environ,
+            MXREFIT_FAULTHANDLER=vdir,
+            PYTHONUNBUFFERED="1",
+            PYTHONPATH=os.pathsep.join([HOOKS, ROOT, os.environ.get("PYTHONPATH", "")]),
+        )
         if variant.endswith(":inproc"):
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         ckpt = ckpts["bf16" if variant.startswith("bf16") else "mxfp8"]
         logf = open(os.path.join(vdir, "out.txt"), "w")  # noqa: SIM115
-        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "child", "--variant", variant,
-                                 "--ckpt", ckpt], env=env, stdout=logf, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "child", "--variant", variant, "--ckpt", ckpt],
+            env=env,
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         runs[variant] = (proc, vdir, logf, time.time())
     results = {}
     deadline = time.time() + args.timeout
@@ -173,8 +193,26 @@ def main() -> int:
             log.write(f"\n######## {variant}: {r['outcome']} in {r['seconds']} s\n")
             with open(os.path.join(r["dir"], "out.txt"), errors="replace") as f:
                 lines = f.readlines()
-            keep = [ln for ln in lines if any(k in ln for k in ("MoE", "moe", "Marlin", "marlin", "backend", "Error",
-                                                                "error", "VARIANT-", "Traceback", "kernel", "took"))]
+            keep = [
+                ln
+                for ln in lines
+                if any(
+                    k in ln
+                    for k in (
+                        "MoE",
+                        "moe",
+                        "Marlin",
+                        "marlin",
+                        "backend",
+                        "Error",
+                        "error",
+                        "VARIANT-",
+                        "Traceback",
+                        "kernel",
+                        "took",
+                    )
+                )
+            ]
             log.write("".join(keep[-60:]))
             log.write("---- last 40 lines ----\n" + "".join(lines[-40:]))
             for fh in sorted(glob.glob(os.path.join(r["dir"], "fh_*.txt"))):
@@ -183,8 +221,9 @@ def main() -> int:
                 if "most recent call first" in text:
                     log.write(f"---- {os.path.basename(fh)} ----\n{text}")
             r["tail"] = "".join(lines[-8:])
-            r["variant_lines"] = [ln.strip() for ln in lines if "VARIANT-" in ln or "warmup run took" in ln
-                                  or "init engine" in ln]
+            r["variant_lines"] = [
+                ln.strip() for ln in lines if "VARIANT-" in ln or "warmup run took" in ln or "init engine" in ln
+            ]
     for variant, r in results.items():
         print(f"moe_hang: {variant}: {r['outcome']} in {r['seconds']} s")
         for ln in r.get("variant_lines", []):

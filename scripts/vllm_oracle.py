@@ -38,12 +38,30 @@ if ROOT not in sys.path:
 
 MODELS = {
     # shapes the Marlin MXFP8 kernels on Hopper take (N multiple of 64, K of 128): vsmoke's dense model
-    "dense": dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=128),
+    "dense": dict(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=128,
+    ),
     # the Qwen3-MoE MXFP8 checkpoint that hung vLLM 0.26 at start (shared/vllm-h200/README.md)
-    "moe": dict(vocab_size=1024, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
-                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
-                num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[]),
+    "moe": dict(
+        vocab_size=1024,
+        hidden_size=512,
+        intermediate_size=1024,
+        moe_intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=128,
+        num_experts=8,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    ),
 }
 PROMPTS = [[1, 2, 3, 4], [7, 100, 5], [300, 301], [42, 17, 250, 9, 11, 500, 3, 77]]
 NEW_TOKENS = 8
@@ -57,8 +75,15 @@ def log(*a) -> None:
 def make_policy(model: str, seed: int):
     import torch
 
-    common = dict(max_position_embeddings=1024, tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=10000.0,
-                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    common = dict(
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     torch.manual_seed(seed)
     if model == "moe":
         from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -71,7 +96,7 @@ def make_policy(model: str, seed: int):
 
 def save_checkpoint(policy, path: str, fmt: str) -> None:
     """The policy's current weights in ``fmt``, written as mxrefit writes a starting checkpoint."""
-    from mxrefit.checkpoint import save_fp8_block_checkpoint, save_mxfp8_checkpoint
+    from mxrefit.source.checkpoint import save_fp8_block_checkpoint, save_mxfp8_checkpoint
 
     os.makedirs(path, exist_ok=True)
     if fmt == "bf16":
@@ -112,8 +137,7 @@ def engine_kwargs(args) -> dict:
     if args.device == "cpu":
         kw.update(gpu_memory_utilization=0.05, enforce_eager=True)
         return kw
-    kw.update(gpu_memory_utilization=args.gpu_util, kv_cache_memory_bytes=args.kv_bytes,
-              attention_config={"backend": args.attn})
+    kw.update(gpu_memory_utilization=args.gpu_util, kv_cache_memory_bytes=args.kv_bytes, attention_config={"backend": args.attn})
     if args.eager:
         kw["enforce_eager"] = True
     else:
@@ -146,8 +170,11 @@ def compare(got: dict, want: dict) -> dict:
     a, b = flat(got), flat(want)
     diff = max((abs(x - y) for x, y in zip(a, b)), default=0.0) if len(a) == len(b) else float("inf")
     keys = ("tokens", "token_logprobs", "prompt_logprobs")
-    return {"tokens_equal": got["tokens"] == want["tokens"], "max_logprob_diff": diff,
-            "bit_exact": all(got[k] == want[k] for k in keys)}
+    return {
+        "tokens_equal": got["tokens"] == want["tokens"],
+        "max_logprob_diff": diff,
+        "bit_exact": all(got[k] == want[k] for k in keys),
+    }
 
 
 def start_llm(args, path: str, **extra):
@@ -185,8 +212,14 @@ def _stats_in_worker(worker) -> dict:
         rss_kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
     with open(f"/proc/{pid}/maps") as f:
         maps = f.read().splitlines()
-    out = {"pid": pid, "rss_mb": rss_kb / 1024, "fds": len(os.listdir(f"/proc/{pid}/fd")), "maps": len(maps),
-           "nvidia_maps": sum("/dev/nvidia" in m for m in maps), "gc_objects": len(gc.get_objects())}
+    out = {
+        "pid": pid,
+        "rss_mb": rss_kb / 1024,
+        "fds": len(os.listdir(f"/proc/{pid}/fd")),
+        "maps": len(maps),
+        "nvidia_maps": sum("/dev/nvidia" in m for m in maps),
+        "gc_objects": len(gc.get_objects()),
+    }
     if torch.cuda.is_available():
         out.update(allocated_mb=torch.cuda.memory_allocated() / 2**20, reserved_mb=torch.cuda.memory_reserved() / 2**20)
     return out
@@ -220,8 +253,23 @@ def cmd_ckpt(args) -> int:
 
 
 def oracle_cmd(args, ckpt: str, out: str) -> list[str]:
-    cmd = [sys.executable, os.path.abspath(__file__), "answer", "--ckpt", ckpt, "--json", out, "--device", args.device,
-           "--attn", args.attn, "--kv-bytes", str(args.kv_bytes), "--gpu-util", str(args.gpu_util)]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "answer",
+        "--ckpt",
+        ckpt,
+        "--json",
+        out,
+        "--device",
+        args.device,
+        "--attn",
+        args.attn,
+        "--kv-bytes",
+        str(args.kv_bytes),
+        "--gpu-util",
+        str(args.gpu_util),
+    ]
     if args.eager:
         cmd.append("--eager")
     if args.moe_backend:
@@ -234,14 +282,24 @@ def oracle_cmd(args, ckpt: str, out: str) -> list[str]:
 def cmd_run(args) -> int:
     import torch
 
-    from mxrefit.engines import vllm as mx_vllm
+    from mxrefit.integrations.vllm import client as mx_client
+    from mxrefit.integrations.vllm import transfer as mx_transfer
 
     tag = f"{args.model}_{args.fmt}_{args.via}"
     work = os.path.join(args.work, tag)
     os.makedirs(work, exist_ok=True)
-    result: dict = {"tag": tag, "model": args.model, "format": args.fmt, "via": args.via, "cuda_graphs": not args.eager,
-                    "device": args.device, "engine_kwargs": {k: v for k, v in engine_kwargs(args).items()},
-                    "prompts": PROMPTS, "steps": [], "ok": False}
+    result: dict = {
+        "tag": tag,
+        "model": args.model,
+        "format": args.fmt,
+        "via": args.via,
+        "cuda_graphs": not args.eager,
+        "device": args.device,
+        "engine_kwargs": {k: v for k, v in engine_kwargs(args).items()},
+        "prompts": PROMPTS,
+        "steps": [],
+        "ok": False,
+    }
     try:
         import vllm
 
@@ -261,7 +319,7 @@ def cmd_run(args) -> int:
     ck0 = os.path.join(work, "ckpt0")
     save_checkpoint(policy, ck0, args.fmt)
     t0 = time.time()
-    extra = {"worker_extension_cls": "mxrefit.engines.vllm.RefitWorkerExtension"}
+    extra = {"worker_extension_cls": "mxrefit.integrations.vllm.worker.RefitWorkerExtension"}
     if args.via == "wt":
         extra["weight_transfer_config"] = {"backend": "mxrefit"}
     if args.sleep:
@@ -273,7 +331,7 @@ def cmd_run(args) -> int:
     sender = wt = None
     try:
         if args.via == "ext":
-            from mxrefit.sender import Sender
+            from mxrefit.source.sender import Sender
 
             info = llm.collective_rpc("mxrefit_init", kwargs={"experts": "grouped"})[0]
             result["init_info"] = {k: v for k, v in info.items() if k != "token"}
@@ -281,17 +339,18 @@ def cmd_run(args) -> int:
 
             def refit():
                 weights = {n: p.detach() for n, p in policy.named_parameters()}
-                return mx_vllm.refit_while(lambda: llm.collective_rpc("mxrefit_receive"), sender, weights)
+                return mx_client.refit_while(lambda: llm.collective_rpc("mxrefit_receive"), sender, weights)
         else:
             from vllm.distributed.weight_transfer.base import ModuleSource
             from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-            init = mx_vllm.MxrefitTrainerEngine.init_info_cls(rank=0, device=args.device, experts="grouped")
+            init = mx_transfer.MxrefitTrainerEngine.init_info_cls(rank=0, device=args.device, experts="grouped")
             factory_args = (init,)
             if "backend" in inspect.signature(WeightTransferTrainerFactory.trainer_init).parameters:
                 factory_args = ("mxrefit", None, init)  # vLLM 0.26: trainer_init(backend, config, init_info, ...)
-            wt = WeightTransferTrainerFactory.trainer_init(*factory_args, client=mx_vllm.LLMClient(llm),
-                                                           source=ModuleSource(policy))
+            wt = WeightTransferTrainerFactory.trainer_init(
+                *factory_args, client=mx_client.LLMClient(llm), source=ModuleSource(policy)
+            )
 
             def refit():
                 with torch.no_grad():
@@ -311,8 +370,11 @@ def cmd_run(args) -> int:
                 llm.sleep(level=1)
                 asleep_gb = used_gb()
                 llm.wake_up()
-                slept = {"sleep_wake_s": time.perf_counter() - t, "device_used_gb_asleep": asleep_gb,
-                         "device_used_gb_awake": used_gb()}
+                slept = {
+                    "sleep_wake_s": time.perf_counter() - t,
+                    "device_used_gb_asleep": asleep_gb,
+                    "device_used_gb_awake": used_gb(),
+                }
             report = refit()
             llm.reset_prefix_cache()
             now = answers(llm)
@@ -321,13 +383,24 @@ def cmd_run(args) -> int:
             out = os.path.join(work, f"oracle{step}.json")
             if os.path.exists(out):
                 os.remove(out)
-            entry = {"step": step, "loss": loss, "refit_ms": report.total_s * 1e3, "transport": report.transport,
-                     "bytes": report.bytes, "buckets": report.buckets, "version": report.version,
-                     "engine_process_ms": report.engine_process_s * 1e3, "engine": now,
-                     "changed": now["tokens"] != previous["tokens"] or now != previous, "sleep": slept}
+            entry = {
+                "step": step,
+                "loss": loss,
+                "refit_ms": report.total_s * 1e3,
+                "transport": report.transport,
+                "bytes": report.bytes,
+                "buckets": report.buckets,
+                "version": report.version,
+                "engine_process_ms": report.engine_process_s * 1e3,
+                "engine": now,
+                "changed": now["tokens"] != previous["tokens"] or now != previous,
+                "sleep": slept,
+            }
             result["steps"].append(entry)
-            log(f"{tag}: refit {step} {entry['refit_ms']:.1f} ms ({report.transport}, {report.bytes / 1e6:.2f} MB), "
-                f"tokens {now['tokens'][0]}")
+            log(
+                f"{tag}: refit {step} {entry['refit_ms']:.1f} ms ({report.transport}, {report.bytes / 1e6:.2f} MB), "
+                f"tokens {now['tokens'][0]}"
+            )
             if args.stats_every and (step % args.stats_every == 0 or step == 1):
                 result["resources"].append({"step": step, **worker_stats(llm)})
             if not args.oracle_last or step == args.refits:
@@ -372,14 +445,19 @@ def cmd_run(args) -> int:
             else:
                 entry["vs_oracle"] = {"error": f"oracle exited {rc}"}
             log(f"{tag}: step {step} vs fresh vLLM: {entry['vs_oracle']}")
-        ok = all(s.get("vs_oracle", {}).get("tokens_equal") and s["vs_oracle"]["max_logprob_diff"] <= args.atol
-                 and s["changed"] for s in result["steps"])
+        ok = all(
+            s.get("vs_oracle", {}).get("tokens_equal") and s["vs_oracle"]["max_logprob_diff"] <= args.atol and s["changed"]
+            for s in result["steps"]
+        )
         ok = ok and len(result["steps"]) == args.refits and not moved and result["after_identical"]["bit_exact"]
         if len(result["resources"]) >= 3:
             # flat from the second sample (the first refits warm caches) to the last
             first, last = result["resources"][1], result["resources"][-1]
-            grown = {k: last[k] - first[k] for k in ("rss_mb", "fds", "nvidia_maps", "allocated_mb", "reserved_mb",
-                                                      "device_used_gb") if k in first}
+            grown = {
+                k: last[k] - first[k]
+                for k in ("rss_mb", "fds", "nvidia_maps", "allocated_mb", "reserved_mb", "device_used_gb")
+                if k in first
+            }
             result["resources_growth"] = grown
             flat = grown["fds"] <= 0 and grown["nvidia_maps"] <= 0 and grown.get("reserved_mb", 0) <= 0
             flat = flat and grown["rss_mb"] < 64 and grown["device_used_gb"] < 0.064
@@ -416,8 +494,12 @@ def main() -> int:
     p.add_argument("--eager", action="store_true", help="enforce_eager (default: CUDA graphs on)")
     p.add_argument("--attn", default="FLASH_ATTN")
     p.add_argument("--moe-backend", default=None, help="vLLM's moe_backend (default: auto)")
-    p.add_argument("--max-batched-tokens", type=int, default=None,
-                   help="max_num_batched_tokens (vLLM's warm-up forward runs this many tokens)")
+    p.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=None,
+        help="max_num_batched_tokens (vLLM's warm-up forward runs this many tokens)",
+    )
     p.add_argument("--kv-bytes", type=int, default=1 << 30)
     p.add_argument("--gpu-util", type=float, default=0.05)
     p.add_argument("--refits", type=int, default=3)

@@ -16,14 +16,15 @@ import time
 
 import torch
 
-from mxrefit.engines import trtllm
-from mxrefit.engines.base import Destination, Engine
-from mxrefit.engines.vllm_layout import EXPERTS, scale_param
+from mxrefit.devices import align, sync_current
+from mxrefit.engine.base import Engine
 from mxrefit.formats import fp8_block, mxfp8
-from mxrefit.plan import align
-from mxrefit.sender import RefitReport
-from mxrefit.transport.buffers import create_buffers, default_kind, open_buffers
+from mxrefit.integrations.vllm import trtllm
+from mxrefit.integrations.vllm.layout import EXPERTS, scale_param
+from mxrefit.plan.types import Destination
+from mxrefit.source.sender import RefitReport
 from mxrefit.transport.control import ControlClient, ControlServer
+from mxrefit.transport.factory import create_buffers, default_kind, open_buffers
 
 _OP_BUCKET = "baseline_bucket"
 _QUANTIZERS = {
@@ -55,7 +56,8 @@ class BaselineSender:
     def _buckets(self, tensors: dict[str, torch.Tensor]) -> list[list[tuple[str, torch.Tensor, int]]]:
         biggest = max(align(t.numel() * t.element_size()) for t in tensors.values())
         size = max(self.bucket_bytes, biggest)
-        buckets, used = [[]], 0
+        buckets: list[list[tuple[str, torch.Tensor, int]]] = [[]]
+        used = 0
         for name, t in tensors.items():
             n = align(t.numel() * t.element_size())
             if used + n > size:
@@ -72,7 +74,7 @@ class BaselineSender:
         report = RefitReport(self.version)
         buckets = self._buckets(tensors)
         buffers = create_buffers(default_kind(self.device), 2, self.size, self.device)
-        pending = []
+        pending: list[int] = []
         try:
             for i, bucket in enumerate(buckets):
                 if len(pending) == 2:
@@ -84,8 +86,7 @@ class BaselineSender:
                     n = src.numel() * src.element_size()
                     buf[off : off + n].view(src.dtype).view(src.shape).copy_(src)
                     manifest.append([name, off, list(src.shape)])
-                if self.device.type == "cuda":
-                    torch.cuda.current_stream(self.device).synchronize()
+                sync_current(self.device)
                 report.pack_s += time.perf_counter() - t
                 desc = buffers.describe()
                 self.client.send({"op": _OP_BUCKET, "buffers": desc, "slot": i % 2, "tensors": manifest, "bucket": i})
@@ -152,8 +153,7 @@ class BaselineReceiver:
             if msg.get("op") == "commit":
                 for name in self.post:
                     per_expert_trtllm(name, self._typed(name), self._typed(scale_param(name)))
-                if self.engine.device.type == "cuda":
-                    torch.cuda.current_stream(self.engine.device).synchronize()
+                sync_current(self.engine.device)
                 self.server.send({"op": "committed", "process_s": time.perf_counter() - t})
                 continue
             opened = open_buffers(msg["buffers"], self.engine.device)
@@ -165,8 +165,7 @@ class BaselineReceiver:
                     src = buf[off : off + n].view(torch.bfloat16).view(shape)
                     for target, part in zip(dest.targets, quantize_as(dest.format, src, name=name)):
                         self._view(target).copy_(part)
-                if self.engine.device.type == "cuda":
-                    torch.cuda.current_stream(self.engine.device).synchronize()
+                sync_current(self.engine.device)
             finally:
                 opened.close()
             self.server.send({"op": "applied", "bucket": msg["bucket"], "apply_s": time.perf_counter() - t})

@@ -13,7 +13,7 @@ of ``kv_bytes`` that ``sleep`` frees and ``wake_up(["kv_cache"])`` allocates, so
 takes the memory the offload gave back. Its weights stay resident: vLLM's cumem unmap/remap of
 weights (and a level-1 sleep's weight backup) is not modeled, so ``wake_weights_s`` here is only
 the call's round trip. vLLM is not on the GPU machine; a real vLLM engine's sleep/wake order is
-tested on CPU (tests/test_lifecycle_vllm.py).
+tested on CPU (tests/integration/test_lifecycle_vllm.py).
 
 Both phase modes run in one process: ``overlap`` (offload copies run during the weights wake and
 the refit) and ``serial`` (offload finished first).
@@ -31,12 +31,14 @@ import torch
 
 from mxrefit.bench.run import POST, _sample_check, make_weights
 from mxrefit.devices import bind, resolve
-from mxrefit.engines.layout import LayoutEngine
-from mxrefit.engines.trtllm import vllm_mxfp8_units
-from mxrefit.engines.vllm_layout import vllm_destinations, vllm_params
+from mxrefit.engine.layout import LayoutEngine
+from mxrefit.engine.receiver import Receiver
+from mxrefit.integrations.vllm.layout import vllm_destinations, vllm_params
+from mxrefit.integrations.vllm.trtllm import vllm_mxfp8_units
 from mxrefit.lifecycle import OptimizerOffloader, prepare_for_generation, prepare_for_training
-from mxrefit.plan import SourceSpec
-from mxrefit.shapes import BUILTIN, hf_tensor_specs
+from mxrefit.plan.build import SourceSpec
+from mxrefit.plan.shapes import BUILTIN, hf_tensor_specs
+from mxrefit.source.sender import Sender
 
 
 def _free_bytes(dev: torch.device) -> int:
@@ -45,8 +47,6 @@ def _free_bytes(dev: torch.device) -> int:
 
 def _engine_main(conn, model: str, device: str, timeout_s: float, experts: str, post: str, kv_bytes: int) -> None:
     """Engine process: refits are served on a thread; sleep/wake_up arrive on the pipe."""
-    from mxrefit.receiver import Receiver
-
     dev = bind(device)
     shape = BUILTIN[model]
     params = vllm_params(shape, mxfp8=True)
@@ -86,8 +86,9 @@ class EngineProcess:
     def __init__(self, model: str, device: torch.device, timeout_s: float, experts: str, post: str, kv_bytes: int):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_engine_main, args=(child, model, str(device), timeout_s, experts, post, kv_bytes),
-                                daemon=True)
+        self.proc = ctx.Process(
+            target=_engine_main, args=(child, model, str(device), timeout_s, experts, post, kv_bytes), daemon=True
+        )
         self.proc.start()
         if not self.conn.poll(600):
             raise RuntimeError("the engine process did not start within 600 s")
@@ -119,8 +120,9 @@ class EngineProcess:
             self.proc.kill()
 
 
-def _slim_optimizer(weights: dict[str, torch.Tensor], state_bytes: int, seed: int
-                    ) -> tuple[torch.optim.Optimizer, list[tuple[str, torch.nn.Parameter]]]:
+def _slim_optimizer(
+    weights: dict[str, torch.Tensor], state_bytes: int, seed: int
+) -> tuple[torch.optim.Optimizer, list[tuple[str, torch.nn.Parameter]]]:
     params, names, total = [], [], 0
     g = torch.Generator(device=next(iter(weights.values())).device).manual_seed(seed)
     for name, t in weights.items():
@@ -151,13 +153,22 @@ def _medians(reports: list[dict]) -> dict[str, float]:
     return {k: statistics.median(r[k] for r in reports) for k in keys}
 
 
-def phase_bench(model: str = "tiny-qwen3-moe", device: str = "auto", *, steps: int = 3, warmup: int = 1,
-                state_bytes: int | None = None, kv_bytes: int | None = None, bucket_bytes: int = 512 << 20,
-                experts: str = "per_expert", post: str = "trtllm", timeout_s: float = 300.0,
-                modes: tuple[str, ...] = ("overlap", "serial"), seed: int = 0) -> dict[str, Any]:
+def phase_bench(
+    model: str = "tiny-qwen3-moe",
+    device: str = "auto",
+    *,
+    steps: int = 3,
+    warmup: int = 1,
+    state_bytes: int | None = None,
+    kv_bytes: int | None = None,
+    bucket_bytes: int = 512 << 20,
+    experts: str = "per_expert",
+    post: str = "trtllm",
+    timeout_s: float = 300.0,
+    modes: tuple[str, ...] = ("overlap", "serial"),
+    seed: int = 0,
+) -> dict[str, Any]:
     """Run both phase modes on one engine process; one JSON-able object with every figure."""
-    from mxrefit.sender import Sender
-
     if post not in POST:
         raise ValueError(f"post must be one of {POST}, got {post!r}")
 
@@ -170,9 +181,18 @@ def phase_bench(model: str = "tiny-qwen3-moe", device: str = "auto", *, steps: i
     opt, named = _slim_optimizer(weights, state_bytes, seed)
     offloader = OptimizerOffloader(opt, named_parameters=named)
     engine = EngineProcess(model, dev, timeout_s, experts, post, kv_bytes if kv_bytes is not None else state_bytes)
-    out: dict[str, Any] = {"model": model, "device": str(dev), "post": post, "tensors": len(specs), "trainer_bf16_bytes": trainer_bytes,
-                           "optimizer_tensors": len(named), "kv_bytes": kv_bytes if kv_bytes is not None else state_bytes,
-                           "steps": steps, "warmup": warmup, "modes": {}}
+    out: dict[str, Any] = {
+        "model": model,
+        "device": str(dev),
+        "post": post,
+        "tensors": len(specs),
+        "trainer_bf16_bytes": trainer_bytes,
+        "optimizer_tensors": len(named),
+        "kv_bytes": kv_bytes if kv_bytes is not None else state_bytes,
+        "steps": steps,
+        "warmup": warmup,
+        "modes": {},
+    }
     try:
         engine.sleep(level=1)  # starts asleep: the trainer holds its state, the engine has no KV cache
         sender = Sender(engine.address, engine.token, device=dev, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
@@ -184,8 +204,9 @@ def phase_bench(model: str = "tiny-qwen3-moe", device: str = "auto", *, steps: i
                 opt.step()
                 if first:
                     sample = _state_sample(opt, 64 << 20)
-                gen = prepare_for_generation(lambda: sender.refit(weights), trainer=offloader, engine=engine,
-                                             overlap=mode == "overlap", device=dev)
+                gen = prepare_for_generation(
+                    lambda: sender.refit(weights), trainer=offloader, engine=engine, overlap=mode == "overlap", device=dev
+                )
                 free_awake = engine.free_bytes
                 train = prepare_for_training(trainer=offloader, engine=engine, sleep_level=1, device=dev)
                 if first:  # the offload round trip of a sample of the state, byte for byte
@@ -196,9 +217,13 @@ def phase_bench(model: str = "tiny-qwen3-moe", device: str = "auto", *, steps: i
                     gens.append(gen.as_dict())
                     trains.append(asdict(train))
                     free.append(free_awake)
-            out["modes"][mode] = {"generation": _medians([{k: v for k, v in g.items() if k != "refit"} for g in gens]),
-                                  "refit": _medians([g["refit"] for g in gens]), "training": _medians(trains),
-                                  "free_bytes_when_awake": min(free), "per_step": {"generation": gens, "training": trains}}
+            out["modes"][mode] = {
+                "generation": _medians([{k: v for k, v in g.items() if k != "refit"} for g in gens]),
+                "refit": _medians([g["refit"] for g in gens]),
+                "training": _medians(trains),
+                "free_bytes_when_awake": min(free),
+                "per_step": {"generation": gens, "training": trains},
+            }
         out["offload_bytes"] = offloader.nbytes
         out["arena_allocations"] = offloader.arena_allocations
         out["transport"] = sender.transport

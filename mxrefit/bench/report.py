@@ -37,34 +37,43 @@ def _header(mode: str, transport: str | None) -> str:
 
 def print_table(result: dict[str, Any], console: Console | None = None) -> None:
     console = console or Console()
-    title = (f"mxrefit bench: {result['model']}, {result.get('format', 'mxfp8')}, post-process "
-             f"{result.get('post', 'trtllm')}, {result['device_name']}, {result['tensors']:,} tensors, "
-             f"median of {result['steps']} after {result['warmup']} warm-up")
+    title = (
+        f"mxrefit bench: {result['model']}, {result.get('format', 'mxfp8')}, post-process "
+        f"{result.get('post', 'trtllm')}, {result['device_name']}, {result['tensors']:,} tensors, "
+        f"median of {result['steps']} after {result['warmup']} warm-up"
+    )
     table = Table(title=title)
     table.add_column("per refit", no_wrap=True)
     modes = result["modes"]
     for mode, m in modes.items():
         table.add_column(_header(mode, m.get("transport")), justify="right", no_wrap=True)
     table.add_column("copy\nfloor", justify="right", no_wrap=True)
-    floor = {"total_s": _ms(result["floor_s"]),
-             "bytes": f"{(result['trainer_bf16_bytes'] + result['engine_bytes']) / 1e6:,.1f}",
-             "GBps": f"{result['copy_GBps']:.1f}"}
+    floor = {
+        "total_s": _ms(result["floor_s"]),
+        "bytes": f"{(result['trainer_bf16_bytes'] + result['engine_bytes']) / 1e6:,.1f}",
+        "GBps": f"{result['copy_GBps']:.1f}",
+    }
     for label, key, fmt in _ROWS:
         table.add_row(label, *(fmt(m.get(key, 0)) for m in modes.values()), floor.get(key, ""))
     table.add_row("x copy floor", *(f"{m['total_s'] / result['floor_s']:,.1f}" for m in modes.values()), "1.0")
     console.print(table)
-    console.print("floor: the trainer's BF16 bytes read and the engine's bytes written once, at the device's "
-                  "copy rate measured in this run")
+    console.print(
+        "floor: the trainer's BF16 bytes read and the engine's bytes written once, at the device's copy rate measured in this run"
+    )
     if "speedup" in result:
-        console.print(f"prequant is {result['speedup']:.1f}x faster than baseline; "
-                      f"{result['modes']['prequant']['total_s'] / result['floor_s']:.1f}x the copy floor")
+        console.print(
+            f"prequant is {result['speedup']:.1f}x faster than baseline; "
+            f"{result['modes']['prequant']['total_s'] / result['floor_s']:.1f}x the copy floor"
+        )
     for mode, m in modes.items():
         check = m.get("check")
         if check:
             verdict = "identical" if not check["mismatched"] else f"DIFFERENT for {check['mismatched']}"
-            console.print(f"{mode}: engine bytes vs quantize() of the trainer's tensors: {verdict} "
-                          f"({check['parts_checked']} parts of {check['tensors_checked']} tensors, one per family; "
-                          f"{check.get('kernel_layout_params_checked', 0)} params in the kernel layout)")
+            console.print(
+                f"{mode}: engine bytes vs quantize() of the trainer's tensors: {verdict} "
+                f"({check['parts_checked']} parts of {check['tensors_checked']} tensors, one per family; "
+                f"{check.get('kernel_layout_params_checked', 0)} params in the kernel layout)"
+            )
 
 
 def plot(result: dict[str, Any], path: str) -> None:

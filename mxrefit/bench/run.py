@@ -38,13 +38,16 @@ from typing import Any
 
 import torch
 
-from mxrefit.bench.baseline import quantize_as
+from mxrefit.bench.baseline import BaselineReceiver, BaselineSender, quantize_as
 from mxrefit.devices import bind, resolve
-from mxrefit.engines.layout import LayoutEngine
-from mxrefit.engines.trtllm import reference_kernel_bytes, vllm_mxfp8_units
-from mxrefit.engines.vllm_layout import quantized_param_names, scale_param, vllm_destinations, vllm_params
-from mxrefit.plan import SourceSpec
-from mxrefit.shapes import BUILTIN, ModelShape, hf_tensor_specs
+from mxrefit.engine.layout import LayoutEngine
+from mxrefit.engine.receiver import Receiver
+from mxrefit.integrations.vllm.layout import quantized_param_names, scale_param, vllm_destinations, vllm_params
+from mxrefit.integrations.vllm.trtllm import reference_kernel_bytes, vllm_mxfp8_units
+from mxrefit.plan.build import SourceSpec
+from mxrefit.plan.shapes import BUILTIN, ModelShape, hf_tensor_specs
+from mxrefit.source.sender import Sender
+from mxrefit.transport.factory import default_kind
 
 MODES = ("baseline", "prequant")
 ALL_MODES = ("baseline", "prequant", "prequant-buffers")
@@ -63,11 +66,14 @@ def resolve_post(fmt: str, post: str | None) -> str:
     if post not in POST:
         raise ValueError(f"post must be one of {POST}, got {post!r}")
     if post == "trtllm" and fmt != "mxfp8":
-        why = ("a BF16 engine's kernels read its weights as loaded" if fmt == "bf16" else
-               "Hopper's generic block kernel reads the checkpoint layout as loaded; DeepGEMM's UE8M0 re-layout is "
-               "not modelled")
-        raise ValueError(f"post 'trtllm' is FlashInfer's TRT-LLM MXFP8 layout; {fmt} has no post-process here ({why}): "
-                         f"use post 'none'")
+        why = (
+            "a BF16 engine's kernels read its weights as loaded"
+            if fmt == "bf16"
+            else "Hopper's generic block kernel reads the checkpoint layout as loaded; DeepGEMM's UE8M0 re-layout is not modelled"
+        )
+        raise ValueError(
+            f"post 'trtllm' is FlashInfer's TRT-LLM MXFP8 layout; {fmt} has no post-process here ({why}): use post 'none'"
+        )
     return post
 
 
@@ -87,12 +93,8 @@ def _post_params(shape: ModelShape, post: str) -> set[str]:
     return {scale_param(n) for n in names} | {n for n in names if ".experts." in n}
 
 
-def _engine_main(conn, shape: ModelShape, mode: str, device: str, timeout_s: float, experts: str, post: str,
-                 fmt: str) -> None:
+def _engine_main(conn, shape: ModelShape, mode: str, device: str, timeout_s: float, experts: str, post: str, fmt: str) -> None:
     """Engine process: build the layout, serve refits until told to stop, report memory."""
-    from mxrefit.bench.baseline import BaselineReceiver
-    from mxrefit.receiver import Receiver
-
     dev = bind(device)
     params = vllm_params(shape, fmt=fmt)
     dests = vllm_destinations(shape, fmt=fmt, experts=experts)
@@ -116,14 +118,34 @@ def _engine_main(conn, shape: ModelShape, mode: str, device: str, timeout_s: flo
         peak = torch.cuda.max_memory_allocated(dev) - base_mem if dev.type == "cuda" else 0
         pool = engine.staging.pool_bytes if getattr(engine, "staging", None) is not None else 0
         receiver.close()
-        conn.send({"engine_peak_extra_bytes": peak, "engine_staging_bytes": pool,
-                   "engine_transactional": getattr(receiver, "transactional", False)})
+        conn.send(
+            {
+                "engine_peak_extra_bytes": peak,
+                "engine_staging_bytes": pool,
+                "engine_transactional": getattr(receiver, "transactional", False),
+            }
+        )
 
 
 def _family(name: str) -> str:
-    for key in ("embed_tokens", "lm_head", "q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm",
-                "input_layernorm", "post_attention_layernorm", "mlp.gate.weight", "gate_proj", "up_proj",
-                "down_proj", "gate_up_proj", "model.norm"):
+    for key in (
+        "embed_tokens",
+        "lm_head",
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "q_norm",
+        "k_norm",
+        "input_layernorm",
+        "post_attention_layernorm",
+        "mlp.gate.weight",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+        "gate_up_proj",
+        "model.norm",
+    ):
         if key in name:
             return key
     return "other"
@@ -175,8 +197,9 @@ def _checkpoint_param(param: str, nbytes: int, engine_dests, weights: dict[str, 
     return out
 
 
-def _sample_check(sender, shape: ModelShape, engine_dests, weights: dict[str, torch.Tensor], post: str,
-                  fmt: str = "mxfp8") -> dict[str, Any]:
+def _sample_check(
+    sender, shape: ModelShape, engine_dests, weights: dict[str, torch.Tensor], post: str, fmt: str = "mxfp8"
+) -> dict[str, Any]:
     """Engine bytes of one tensor per family equal the format's quantizer on the trainer's tensor;
     where the engine serves a kernel layout, the whole param is compared with the reference layout."""
     picked: dict[str, str] = {}
@@ -206,21 +229,33 @@ def _sample_check(sender, shape: ModelShape, engine_dests, weights: dict[str, to
     reply = sender.client.request({"op": "checksum", "ranges": ranges}, sender.timeout_s, step="checking engine bytes")
     got = reply["sha256"]
     bad = [r[0] for r, g, w in zip(ranges, got, want) if g != w]
-    return {"families": sorted(picked), "tensors_checked": len(picked), "parts_checked": len(ranges),
-            "kernel_layout_params_checked": len(staged), "mismatched": bad}
+    return {
+        "families": sorted(picked),
+        "tensors_checked": len(picked),
+        "parts_checked": len(ranges),
+        "kernel_layout_params_checked": len(staged),
+        "mismatched": bad,
+    }
 
 
-def run_mode(mode: str, shape: ModelShape, device: torch.device, weights: dict[str, torch.Tensor], *,
-             steps: int, warmup: int, bucket_bytes: int, timeout_s: float, experts: str, post: str,
-             fmt: str = "mxfp8", on_step=None) -> dict[str, Any]:
-    from mxrefit.bench.baseline import BaselineSender
-    from mxrefit.sender import Sender
-    from mxrefit.transport.buffers import default_kind
-
+def run_mode(
+    mode: str,
+    shape: ModelShape,
+    device: torch.device,
+    weights: dict[str, torch.Tensor],
+    *,
+    steps: int,
+    warmup: int,
+    bucket_bytes: int,
+    timeout_s: float,
+    experts: str,
+    post: str,
+    fmt: str = "mxfp8",
+    on_step=None,
+) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_engine_main, args=(child, shape, mode, str(device), timeout_s, experts, post, fmt),
-                       daemon=True)
+    proc = ctx.Process(target=_engine_main, args=(child, shape, mode, str(device), timeout_s, experts, post, fmt), daemon=True)
     proc.start()
     try:
         if not parent.poll(600):
@@ -231,11 +266,20 @@ def run_mode(mode: str, shape: ModelShape, device: torch.device, weights: dict[s
             base_mem = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
         if mode == "baseline":
-            sender = BaselineSender(hello["address"], hello["token"], device=device, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+            sender = BaselineSender(
+                hello["address"], hello["token"], device=device, bucket_bytes=bucket_bytes, timeout_s=timeout_s
+            )
         else:
             transport = default_kind(device) if mode == "prequant-buffers" else None
-            sender = Sender(hello["address"], hello["token"], device=device, bucket_bytes=bucket_bytes,
-                            timeout_s=timeout_s, transport=transport, verify=mode == "prequant-verify")
+            sender = Sender(
+                hello["address"],
+                hello["token"],
+                device=device,
+                bucket_bytes=bucket_bytes,
+                timeout_s=timeout_s,
+                transport=transport,
+                verify=mode == "prequant-verify",
+            )
             sender.plan([SourceSpec(n, tuple(t.shape), t.dtype) for n, t in weights.items()])
         reports = []
         tensors = list(weights.values())
@@ -253,8 +297,7 @@ def run_mode(mode: str, shape: ModelShape, device: torch.device, weights: dict[s
         if mode != "baseline":
             result["transport"] = sender.transport
             result["verify"] = sender.verify
-            result["check"] = _sample_check(sender, shape, vllm_destinations(shape, fmt=fmt, experts=experts), weights, post,
-                                            fmt)
+            result["check"] = _sample_check(sender, shape, vllm_destinations(shape, fmt=fmt, experts=experts), weights, post, fmt)
         result["trainer_peak_extra_bytes"] = torch.cuda.max_memory_allocated(device) - base_mem if device.type == "cuda" else 0
         sender.close(shutdown_engine=True)
         result.update(parent.recv() if parent.poll(60) else {})
@@ -285,10 +328,20 @@ def summarize(result: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def bench(model: str = "tiny-qwen3-moe", device: str = "auto", steps: int = 5, warmup: int = 1,
-          modes: tuple[str, ...] = MODES, bucket_bytes: int = 512 << 20, timeout_s: float = 300.0,
-          experts: str = "per_expert", post: str | None = None, layers: int | None = None,
-          progress: bool = True, fmt: str = "mxfp8") -> dict[str, Any]:
+def bench(
+    model: str = "tiny-qwen3-moe",
+    device: str = "auto",
+    steps: int = 5,
+    warmup: int = 1,
+    modes: tuple[str, ...] = MODES,
+    bucket_bytes: int = 512 << 20,
+    timeout_s: float = 300.0,
+    experts: str = "per_expert",
+    post: str | None = None,
+    layers: int | None = None,
+    progress: bool = True,
+    fmt: str = "mxfp8",
+) -> dict[str, Any]:
     """Run the benchmark and return one JSON-able object with every figure. ``fmt``: the engine's
     quantized format (``FORMATS``); ``post`` None picks its default (``resolve_post``)."""
     from rich.progress import Progress
@@ -307,14 +360,36 @@ def bench(model: str = "tiny-qwen3-moe", device: str = "auto", steps: int = 5, w
         results = {}
         for mode in modes:
             task = bar.add_task(f"{mode} refits", total=warmup + steps)
-            results[mode] = run_mode(mode, shape, dev, weights, steps=steps, warmup=warmup, bucket_bytes=bucket_bytes,
-                                     timeout_s=timeout_s, experts=experts, post=post, fmt=fmt,
-                                     on_step=lambda t=task: bar.advance(t))
+            results[mode] = run_mode(
+                mode,
+                shape,
+                dev,
+                weights,
+                steps=steps,
+                warmup=warmup,
+                bucket_bytes=bucket_bytes,
+                timeout_s=timeout_s,
+                experts=experts,
+                post=post,
+                fmt=fmt,
+                on_step=lambda t=task: bar.advance(t),
+            )
     out: dict[str, Any] = {
-        "model": shape.name, "device": str(dev), "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-        "tensors": len(specs), "trainer_bf16_bytes": trainer_bytes, "engine_bytes": engine_bytes,
-        "copy_GBps": bw / 1e9, "floor_s": (trainer_bytes + engine_bytes) / bw, "steps": steps, "warmup": warmup,
-        "bucket_bytes": bucket_bytes, "format": fmt, "post": post, "experts": experts, "modes": {},
+        "model": shape.name,
+        "device": str(dev),
+        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "tensors": len(specs),
+        "trainer_bf16_bytes": trainer_bytes,
+        "engine_bytes": engine_bytes,
+        "copy_GBps": bw / 1e9,
+        "floor_s": (trainer_bytes + engine_bytes) / bw,
+        "steps": steps,
+        "warmup": warmup,
+        "bucket_bytes": bucket_bytes,
+        "format": fmt,
+        "post": post,
+        "experts": experts,
+        "modes": {},
     }
     for mode, res in results.items():
         out["modes"][mode] = {**summarize(res), **{k: v for k, v in res.items() if k != "steps"}, "per_step": res["steps"]}

@@ -128,6 +128,7 @@ class MXFP8(Format):
         min_byte = self.min_byte
         make_group = None
         if kernels is not None:
+
             def make_group(shaped, group_outs, device):
                 group = kernels.QuantizeGroup(shaped, group_outs, device=device)
                 return lambda srcs, bad: group(srcs, min_byte, bad)
@@ -164,6 +165,7 @@ class FP8Block(Format):
         use_ue8m0 = self.use_ue8m0
         make_group = None
         if kernels is not None:
+
             def make_group(shaped, group_outs, device):
                 return kernels.QuantizeGroup(shaped, group_outs, fp8_block.BLOCK, use_ue8m0, device=device)
 

@@ -28,18 +28,23 @@ def label(name: str | None) -> str:
 def check_out(t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, role: str, what: str) -> None:
     """A destination must be exactly the part it receives: shape, dtype, device, contiguous."""
     if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
-        raise ValueError(
-            f"{what}: {role} must be {dtype} of shape {tuple(shape)}, got {t.dtype} of shape {tuple(t.shape)}"
-        )
+        raise ValueError(f"{what}: {role} must be {dtype} of shape {tuple(shape)}, got {t.dtype} of shape {tuple(t.shape)}")
     if t.device != device:
         raise ValueError(f"{what}: {role} is on {t.device} but the input is on {device}")
     if not t.is_contiguous():
         raise ValueError(f"{what}: {role} must be contiguous (strides {t.stride()} for shape {tuple(t.shape)})")
 
 
-def destinations(x: torch.Tensor, vshape: tuple[int, ...], sshape: tuple[int, ...], value_dtype: torch.dtype,
-                 scale_dtype: torch.dtype, out: torch.Tensor | None, scale_out: torch.Tensor | None,
-                 what: str) -> tuple[torch.Tensor, torch.Tensor]:
+def destinations(
+    x: torch.Tensor,
+    vshape: tuple[int, ...],
+    sshape: tuple[int, ...],
+    value_dtype: torch.dtype,
+    scale_dtype: torch.dtype,
+    out: torch.Tensor | None,
+    scale_out: torch.Tensor | None,
+    what: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The values and scales to write: the caller's (checked to be exactly the part) or new ones."""
     if out is None:
         out = torch.empty(vshape, dtype=value_dtype, device=x.device)

@@ -34,8 +34,20 @@ def supports_block(block: tuple[int, int]) -> bool:
 
 @triton.jit
 def _quantize_tile(
-    src, dst_values, dst_scales, tile, n_rows, n_cols, row_stride, tiles_k, tiles_per_mat,
-    BN: tl.constexpr, BK: tl.constexpr, UE8M0: tl.constexpr, INT_ROUND: tl.constexpr, IS_BF16: tl.constexpr,
+    src,
+    dst_values,
+    dst_scales,
+    tile,
+    n_rows,
+    n_cols,
+    row_stride,
+    tiles_k,
+    tiles_per_mat,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    UE8M0: tl.constexpr,
+    INT_ROUND: tl.constexpr,
+    IS_BF16: tl.constexpr,
     AMAX_FLOOR_BITS: tl.constexpr,
 ):
     """Quantize flat tile ``tile`` (int64) of one tensor; returns whether it held NaN/Inf.
@@ -72,22 +84,58 @@ def _quantize_tile(
 
 @triton.jit
 def _single_kernel(
-    x_ptr, v_ptr, s_ptr, bad_ptr, n_rows, n_cols, tiles_k, tiles_per_mat,
-    BN: tl.constexpr, BK: tl.constexpr, UE8M0: tl.constexpr, INT_ROUND: tl.constexpr, IS_BF16: tl.constexpr,
+    x_ptr,
+    v_ptr,
+    s_ptr,
+    bad_ptr,
+    n_rows,
+    n_cols,
+    tiles_k,
+    tiles_per_mat,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    UE8M0: tl.constexpr,
+    INT_ROUND: tl.constexpr,
+    IS_BF16: tl.constexpr,
     AMAX_FLOOR_BITS: tl.constexpr,
 ):
     tile = tl.program_id(0).to(tl.int64)
     is_bad = _quantize_tile(
-        x_ptr, v_ptr, s_ptr, tile, n_rows, n_cols, n_cols, tiles_k, tiles_per_mat, BN, BK, UE8M0, INT_ROUND, IS_BF16, AMAX_FLOOR_BITS
+        x_ptr,
+        v_ptr,
+        s_ptr,
+        tile,
+        n_rows,
+        n_cols,
+        n_cols,
+        tiles_k,
+        tiles_per_mat,
+        BN,
+        BK,
+        UE8M0,
+        INT_ROUND,
+        IS_BF16,
+        AMAX_FLOOR_BITS,
     )
     tl.atomic_min(bad_ptr, tile.to(tl.int32), mask=is_bad)
 
 
 @triton.jit
 def _group_kernel(
-    prog_tensor, prog_tile, dims, src_addr, values_addr, scales_addr, bad_ptr,
-    BN: tl.constexpr, BK: tl.constexpr, UE8M0: tl.constexpr, INT_ROUND: tl.constexpr, IS_BF16: tl.constexpr,
-    AMAX_FLOOR_BITS: tl.constexpr, ALIGNED: tl.constexpr,
+    prog_tensor,
+    prog_tile,
+    dims,
+    src_addr,
+    values_addr,
+    scales_addr,
+    bad_ptr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    UE8M0: tl.constexpr,
+    INT_ROUND: tl.constexpr,
+    IS_BF16: tl.constexpr,
+    AMAX_FLOOR_BITS: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     t = tl.load(prog_tensor + pid)
@@ -106,8 +154,21 @@ def _group_kernel(
         src = tl.multiple_of(src, 16)
         dst_values = tl.multiple_of(dst_values, 16)
     is_bad = _quantize_tile(
-        src, dst_values, dst_scales, tile, n_rows, n_cols, row_stride, tiles_k, tiles_per_mat,
-        BN, BK, UE8M0, INT_ROUND, IS_BF16, AMAX_FLOOR_BITS,
+        src,
+        dst_values,
+        dst_scales,
+        tile,
+        n_rows,
+        n_cols,
+        row_stride,
+        tiles_k,
+        tiles_per_mat,
+        BN,
+        BK,
+        UE8M0,
+        INT_ROUND,
+        IS_BF16,
+        AMAX_FLOOR_BITS,
     )
     tl.atomic_min(bad_ptr, t, mask=is_bad)
 
@@ -142,14 +203,25 @@ def quantize_into(
     if mats * per_mat == 0:
         return None
     own_bad = bad is None
-    if own_bad:
-        bad = bad_flag(x.device)
+    flag = bad_flag(x.device) if bad is None else bad
     _single_kernel[(mats * per_mat,)](
-        x.view(torch.int16), values.view(torch.uint8), scale_inv, bad, n, k, tiles_k, per_mat,
-        BN=block[0], BK=block[1], UE8M0=use_ue8m0, INT_ROUND=interpreting() if int_round is None else int_round,
-        IS_BF16=x.dtype == torch.bfloat16, AMAX_FLOOR_BITS=_AMAX_FLOOR_BITS, num_warps=num_warps,
+        x.view(torch.int16),
+        values.view(torch.uint8),
+        scale_inv,
+        flag,
+        n,
+        k,
+        tiles_k,
+        per_mat,
+        BN=block[0],
+        BK=block[1],
+        UE8M0=use_ue8m0,
+        INT_ROUND=interpreting() if int_round is None else int_round,
+        IS_BF16=x.dtype == torch.bfloat16,
+        AMAX_FLOOR_BITS=_AMAX_FLOOR_BITS,
+        num_warps=num_warps,
     )
-    return first_bad(bad) if own_bad else None
+    return first_bad(flag) if own_bad else None
 
 
 class QuantizeGroup:
@@ -189,8 +261,19 @@ class QuantizeGroup:
             return
         values_addr, scales_addr = table.out_addr
         _group_kernel[(table.programs,)](
-            table.prog_tensor, table.prog_unit, self.dims, table.src_addr, values_addr, scales_addr, bad,
-            BN=self.block[0], BK=self.block[1], UE8M0=self.use_ue8m0,
-            INT_ROUND=interpreting() if int_round is None else int_round, IS_BF16=self.is_bf16,
-            AMAX_FLOOR_BITS=_AMAX_FLOOR_BITS, ALIGNED=self._aligned, num_warps=self.num_warps,
+            table.prog_tensor,
+            table.prog_unit,
+            self.dims,
+            table.src_addr,
+            values_addr,
+            scales_addr,
+            bad,
+            BN=self.block[0],
+            BK=self.block[1],
+            UE8M0=self.use_ue8m0,
+            INT_ROUND=interpreting() if int_round is None else int_round,
+            IS_BF16=self.is_bf16,
+            AMAX_FLOOR_BITS=_AMAX_FLOOR_BITS,
+            ALIGNED=self._aligned,
+            num_warps=self.num_warps,
         )

@@ -28,7 +28,9 @@ __all__ = ["supports", "interpreting", "quantize_into", "QuantizeGroup"]
 
 
 @triton.jit
-def _quantize_blocks(src, dst_values, dst_scales, blk, blk_mask, MIN_BYTE: tl.constexpr, INT_ROUND: tl.constexpr, IS_BF16: tl.constexpr):
+def _quantize_blocks(
+    src, dst_values, dst_scales, blk, blk_mask, MIN_BYTE: tl.constexpr, INT_ROUND: tl.constexpr, IS_BF16: tl.constexpr
+):
     """Quantize blocks ``blk`` (consecutive runs of 32) of one tensor; returns which were non-finite."""
     offs = blk[:, None] * 32 + tl.arange(0, 32)[None, :]
     bits = widen_to_f32_bits(tl.load(src + offs, mask=blk_mask[:, None], other=0), IS_BF16)
@@ -54,8 +56,15 @@ def _quantize_blocks(src, dst_values, dst_scales, blk, blk_mask, MIN_BYTE: tl.co
 
 @triton.jit
 def _single_kernel(
-    x_ptr, v_ptr, s_ptr, bad_ptr, n_blocks,
-    MIN_BYTE: tl.constexpr, NB: tl.constexpr, INT_ROUND: tl.constexpr, IS_BF16: tl.constexpr,
+    x_ptr,
+    v_ptr,
+    s_ptr,
+    bad_ptr,
+    n_blocks,
+    MIN_BYTE: tl.constexpr,
+    NB: tl.constexpr,
+    INT_ROUND: tl.constexpr,
+    IS_BF16: tl.constexpr,
     WIDE_INDEX: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -69,8 +78,18 @@ def _single_kernel(
 
 @triton.jit
 def _group_kernel(
-    prog_tensor, prog_block, n_blocks_of, src_addr, values_addr, scales_addr, bad_ptr,
-    MIN_BYTE: tl.constexpr, NB: tl.constexpr, INT_ROUND: tl.constexpr, IS_BF16: tl.constexpr, ALIGNED: tl.constexpr,
+    prog_tensor,
+    prog_block,
+    n_blocks_of,
+    src_addr,
+    values_addr,
+    scales_addr,
+    bad_ptr,
+    MIN_BYTE: tl.constexpr,
+    NB: tl.constexpr,
+    INT_ROUND: tl.constexpr,
+    IS_BF16: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     t = tl.load(prog_tensor + pid)
@@ -112,15 +131,22 @@ def quantize_into(
     if int_round is None:
         int_round = interpreting()
     own_bad = bad is None
-    if own_bad:
-        bad = bad_flag(x.device)
+    flag = bad_flag(x.device) if bad is None else bad
     grid = (triton.cdiv(n_blocks, blocks_per_program),)
     _single_kernel[grid](
-        x.view(torch.int16), values.view(torch.uint8), scales, bad, n_blocks,
-        MIN_BYTE=min_byte, NB=blocks_per_program, INT_ROUND=int_round, IS_BF16=x.dtype == torch.bfloat16,
-        WIDE_INDEX=x.numel() >= 2**31, num_warps=num_warps,
+        x.view(torch.int16),
+        values.view(torch.uint8),
+        scales,
+        flag,
+        n_blocks,
+        MIN_BYTE=min_byte,
+        NB=blocks_per_program,
+        INT_ROUND=int_round,
+        IS_BF16=x.dtype == torch.bfloat16,
+        WIDE_INDEX=x.numel() >= 2**31,
+        num_warps=num_warps,
     )
-    return first_bad(bad) if own_bad else None
+    return first_bad(flag) if own_bad else None
 
 
 class QuantizeGroup:
@@ -158,7 +184,17 @@ class QuantizeGroup:
             return
         values_addr, scales_addr = table.out_addr
         _group_kernel[(table.programs,)](
-            table.prog_tensor, table.prog_unit, self.n_blocks_of, table.src_addr, values_addr, scales_addr, bad,
-            MIN_BYTE=min_byte, NB=self.nb, INT_ROUND=interpreting() if int_round is None else int_round,
-            IS_BF16=self.is_bf16, ALIGNED=self._aligned, num_warps=self.num_warps,
+            table.prog_tensor,
+            table.prog_unit,
+            self.n_blocks_of,
+            table.src_addr,
+            values_addr,
+            scales_addr,
+            bad,
+            MIN_BYTE=min_byte,
+            NB=self.nb,
+            INT_ROUND=interpreting() if int_round is None else int_round,
+            IS_BF16=self.is_bf16,
+            ALIGNED=self._aligned,
+            num_warps=self.num_warps,
         )

@@ -68,10 +68,18 @@ class LaunchTable:
     of tensor ``prog_tensor[p]`` starting at unit ``prog_unit[p]`` (a unit is whatever the
     kernel calls its work item: a 32-block, a 128x128 tile)."""
 
-    def __init__(self, units: Sequence[int], units_per_program: int, outs: Sequence[Sequence[torch.Tensor]], device: torch.device, kind: str):
+    def __init__(
+        self,
+        units: Sequence[int],
+        units_per_program: int,
+        outs: Sequence[Sequence[torch.Tensor]],
+        device: torch.device,
+        kind: str,
+    ):
         self.device = device
         self.kind = kind
-        prog_tensor, prog_unit = [], []
+        prog_tensor: list[int] = []
+        prog_unit: list[int] = []
         for t, n in enumerate(units):
             starts = range(0, n, units_per_program)
             prog_tensor.extend([t] * len(starts))

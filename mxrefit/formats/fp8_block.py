@@ -46,8 +46,17 @@ AMAX_FLOOR = float(torch.tensor(1e-4, dtype=torch.float32))  # vLLM's clamp(1e-4
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 __all__ = [
-    "BLOCK", "VALUE_DTYPE", "SCALE_DTYPE", "E4M3_MAX", "AMAX_FLOOR", "INPUT_DTYPES", "NonFiniteError",
-    "scale_shape", "check_quantizable", "quantize", "dequantize",
+    "BLOCK",
+    "VALUE_DTYPE",
+    "SCALE_DTYPE",
+    "E4M3_MAX",
+    "AMAX_FLOOR",
+    "INPUT_DTYPES",
+    "NonFiniteError",
+    "scale_shape",
+    "check_quantizable",
+    "quantize",
+    "dequantize",
 ]
 
 
@@ -63,7 +72,9 @@ def scale_shape(shape: tuple[int, ...] | torch.Size, block: tuple[int, int] = BL
     return (*shape[:-2], -(-shape[-2] // bn), -(-shape[-1] // bk))
 
 
-def check_quantizable(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, name: str | None = None, block: tuple[int, int] = BLOCK) -> None:
+def check_quantizable(
+    shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, name: str | None = None, block: tuple[int, int] = BLOCK
+) -> None:
     """Raise ValueError unless a tensor of this shape and dtype can be quantized to block FP8."""
     what = label(name)
     _block(block)
@@ -71,8 +82,7 @@ def check_quantizable(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, n
         raise ValueError(f"{what}: FP8-block needs a 2-D [N, K] or 3-D [E, N, K] tensor, got shape {tuple(shape)}")
     if dtype not in INPUT_DTYPES:
         raise ValueError(
-            f"{what}: FP8-block prequantization needs a bfloat16, float16 or float32 source, got {dtype} "
-            f"(shape {tuple(shape)})"
+            f"{what}: FP8-block prequantization needs a bfloat16, float16 or float32 source, got {dtype} (shape {tuple(shape)})"
         )
 
 
@@ -84,7 +94,9 @@ def first_bad_tile_message(shape: tuple[int, ...], flat_tile: int, block: tuple[
         flat_tile, i = divmod(flat_tile, dim)
         index.append(i)
     *lead, tr, tc = reversed(index)
-    where = ", ".join([*(str(i) for i in lead), f"{tr * bn}:{min((tr + 1) * bn, shape[-2])}", f"{tc * bk}:{min((tc + 1) * bk, shape[-1])}"])
+    where = ", ".join(
+        [*(str(i) for i in lead), f"{tr * bn}:{min((tr + 1) * bn, shape[-2])}", f"{tc * bk}:{min((tc + 1) * bk, shape[-1])}"]
+    )
     return (
         f"{what}: non-finite value (NaN or Inf) in shape {tuple(shape)}; first bad {bn}x{bk} tile at "
         f"[{where}] (FP8-block input must be finite)"
@@ -96,7 +108,9 @@ def pow2_from_exponents(e: torch.Tensor) -> torch.Tensor:
     return ((e.to(torch.int32) + 127) << 23).view(torch.float32)
 
 
-def _quantize_torch(x: torch.Tensor, values: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], use_ue8m0: bool, what: str) -> None:
+def _quantize_torch(
+    x: torch.Tensor, values: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], use_ue8m0: bool, what: str
+) -> None:
     bn, bk = block
     n, k = x.shape[-2:]
     mats = x.reshape(-1, n, k)
@@ -162,12 +176,16 @@ def quantize(
     return out, scale_out
 
 
-def dequantize(values: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.bfloat16, block: tuple[int, int] = BLOCK) -> torch.Tensor:
+def dequantize(
+    values: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.bfloat16, block: tuple[int, int] = BLOCK
+) -> torch.Tensor:
     """Values times their tile's ``scale_inv``, in ``dtype`` (the dequantization of vLLM's
     ``requant_weight_ue8m0_inplace``, ``fp8_utils.py:1139-1146``)."""
     bn, bk = _block(block)
     if values.dtype != VALUE_DTYPE or scale_inv.dtype != SCALE_DTYPE:
-        raise ValueError(f"dequantize needs {VALUE_DTYPE} values and {SCALE_DTYPE} scale_inv, got {values.dtype}, {scale_inv.dtype}")
+        raise ValueError(
+            f"dequantize needs {VALUE_DTYPE} values and {SCALE_DTYPE} scale_inv, got {values.dtype}, {scale_inv.dtype}"
+        )
     if values.dim() not in (2, 3) or tuple(scale_inv.shape) != scale_shape(values.shape, block):
         raise ValueError(
             f"dequantize: scale_inv of shape {tuple(scale_inv.shape)} does not match values of shape "

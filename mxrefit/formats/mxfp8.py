@@ -45,13 +45,11 @@ def check_quantizable(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, n
         raise ValueError(f"{what}: MXFP8 needs a 2-D [N, K] or 3-D [E, N, K] tensor, got shape {tuple(shape)}")
     if dtype not in INPUT_DTYPES:
         raise ValueError(
-            f"{what}: MXFP8 prequantization needs a bfloat16, float16 or float32 source, got {dtype} "
-            f"(shape {tuple(shape)})"
+            f"{what}: MXFP8 prequantization needs a bfloat16, float16 or float32 source, got {dtype} (shape {tuple(shape)})"
         )
     if shape[-1] % BLOCK:
         raise ValueError(
-            f"{what}: the last dim K={shape[-1]} of shape {tuple(shape)} is not a multiple of {BLOCK}, "
-            f"the MXFP8 block size"
+            f"{what}: the last dim K={shape[-1]} of shape {tuple(shape)} is not a multiple of {BLOCK}, the MXFP8 block size"
         )
 
 

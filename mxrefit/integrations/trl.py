@@ -29,11 +29,15 @@ from typing import Any
 import torch
 
 from mxrefit.errors import MxrefitError
+from mxrefit.integrations.vllm.client import refit_while
+from mxrefit.plan.build import SourceSpec
+from mxrefit.source.checkpoint import save_mxfp8_checkpoint
+from mxrefit.source.sender import RefitReport, Sender
 
 SUPPORTED_TRL = ("1.16.",)
 TESTED_TRL = "1.16.0"
 FORMATS = ("bf16", "mxfp8")
-EXTENSION = "mxrefit.engines.vllm.RefitWorkerExtension"
+EXTENSION = "mxrefit.integrations.vllm.worker.RefitWorkerExtension"
 
 
 class TrlIntegrationError(MxrefitError, RuntimeError):
@@ -48,13 +52,15 @@ def check_trl_version(found: str | None = None) -> str:
         try:
             found = version("trl")
         except PackageNotFoundError as err:
-            raise TrlIntegrationError("mxrefit.integrations.trl needs TRL: pip install 'mxrefit[trl]' "
-                                      f"(trl {TESTED_TRL})") from err
+            raise TrlIntegrationError(
+                f"mxrefit.integrations.trl needs TRL: pip install 'mxrefit[trl]' (trl {TESTED_TRL})"
+            ) from err
     if not found.startswith(SUPPORTED_TRL):
         raise TrlIntegrationError(
             f"mxrefit.integrations.trl supports trl {', '.join(v + 'x' for v in SUPPORTED_TRL)} (tested with "
             f"{TESTED_TRL}); found trl {found}. It replaces GRPOTrainer's vLLM start-up and weight sync, which "
-            f"other TRL versions may do differently: install trl=={TESTED_TRL}")
+            f"other TRL versions may do differently: install trl=={TESTED_TRL}"
+        )
     return found
 
 
@@ -63,30 +69,33 @@ def check_config(args: Any, refit_format: str) -> None:
     if refit_format not in FORMATS:
         raise TrlIntegrationError(f"refit_format must be one of {FORMATS}, got {refit_format!r}")
     if args is None or not args.use_vllm:
-        raise TrlIntegrationError("MxrefitGRPOTrainer refits a vLLM engine: pass GRPOConfig(use_vllm=True, "
-                                  "vllm_mode='colocate', ...)")
+        raise TrlIntegrationError(
+            "MxrefitGRPOTrainer refits a vLLM engine: pass GRPOConfig(use_vllm=True, vllm_mode='colocate', ...)"
+        )
     if args.vllm_mode != "colocate":
         raise TrlIntegrationError(
             f"vllm_mode={args.vllm_mode!r} is not supported: TRL {TESTED_TRL}'s server client "
             "(trl/generation/vllm_client.py, VLLMClient.init_communicator, called while GRPOTrainer is built) "
             "always opens vLLM's NCCL weight transfer, so a server started with "
-            "--weight-transfer-config '{\"backend\": \"mxrefit\"}' cannot be driven from TRL; use "
-            "vllm_mode='colocate' (docs/integrations.md, TRL)")
+            '--weight-transfer-config \'{"backend": "mxrefit"}\' cannot be driven from TRL; use '
+            "vllm_mode='colocate' (docs/integrations.md, TRL)"
+        )
     if args.vllm_tensor_parallel_size != 1:
         raise TrlIntegrationError(
             f"vllm_tensor_parallel_size={args.vllm_tensor_parallel_size}: the colocated refit writes one whole "
             "vLLM worker; tensor-parallel vLLM is refitted over mxrefit's broadcast transport, which this "
-            "integration does not drive")
+            "integration does not drive"
+        )
     if args.vllm_enable_sleep_mode:
-        raise TrlIntegrationError("vllm_enable_sleep_mode=True is not supported: mxrefit's staging memory is not "
-                                  "part of vLLM's sleep pool, and this path has not been tested")
+        raise TrlIntegrationError(
+            "vllm_enable_sleep_mode=True is not supported: mxrefit's staging memory is not "
+            "part of vLLM's sleep pool, and this path has not been tested"
+        )
 
 
 def save_engine_checkpoint(model: torch.nn.Module, processing_class: Any, path: str) -> str:
     """The step-0 policy as a ModelOpt MXFP8 checkpoint (BF16 where the rules keep BF16), with
     the tokenizer beside it, so vLLM starts in the bytes every refit will send."""
-    from mxrefit.checkpoint import save_mxfp8_checkpoint
-
     save_mxfp8_checkpoint(copy.deepcopy(model).to(torch.bfloat16), path)
     processing_class.save_pretrained(path)
     return path
@@ -100,10 +109,6 @@ def _classes() -> tuple[type, type]:
     from trl.generation.vllm_generation import VLLMGeneration
     from trl.trainer.utils import ensure_master_addr_port
     from vllm import LLM
-
-    from mxrefit.engines.vllm import refit_while
-    from mxrefit.plan import SourceSpec
-    from mxrefit.sender import RefitReport, Sender
 
     class MxrefitVLLMGeneration(VLLMGeneration):
         """TRL's generation backend with mxrefit's worker extension in vLLM and a refit as its weight sync."""
@@ -149,8 +154,9 @@ def _classes() -> tuple[type, type]:
                 self.sender = Sender(info["address"], bytes.fromhex(info["token"]), device=self.accelerator.device)
                 self.specs = [SourceSpec(n, tuple(t.shape), t.dtype) for n, t in self._iter_named_params()]
             t0 = time.perf_counter()
-            report = refit_while(lambda: self.llm.collective_rpc("mxrefit_receive"), self.sender,
-                                 self._iter_named_params(), specs=self.specs)
+            report = refit_while(
+                lambda: self.llm.collective_rpc("mxrefit_receive"), self.sender, self._iter_named_params(), specs=self.specs
+            )
             self.llm.reset_prefix_cache()  # cached KV blocks were computed with the previous weights
             report.extra["sync_s"] = time.perf_counter() - t0
             self.reports.append(report)
@@ -176,9 +182,17 @@ def _classes() -> tuple[type, type]:
 
         generation_class = MxrefitVLLMGeneration
 
-        def __init__(self, model: Any, reward_funcs: Any = None, args: Any = None, *rest: Any,
-                     refit_format: str = "bf16", engine_checkpoint_dir: str | None = None,
-                     llm_kwargs: dict | None = None, **kwargs: Any):
+        def __init__(
+            self,
+            model: Any,
+            reward_funcs: Any = None,
+            args: Any = None,
+            *rest: Any,
+            refit_format: str = "bf16",
+            engine_checkpoint_dir: str | None = None,
+            llm_kwargs: dict | None = None,
+            **kwargs: Any,
+        ):
             check_config(args, refit_format)
             args.use_vllm = False  # TRL would start its own vLLM; this class starts it below
             try:
@@ -191,7 +205,8 @@ def _classes() -> tuple[type, type]:
                     f"device {self.accelerator.device}: TRL's colocated vLLM runs in the trainer's own process, and "
                     "mxrefit's device transports (CUDA IPC) cannot open memory in the process that exported it; "
                     "until mxrefit has a same-process device path this integration runs on CPU only "
-                    "(docs/integrations.md, TRL)")
+                    "(docs/integrations.md, TRL)"
+                )
             self.refit_format = refit_format
             self._logged_reports = 0
             policy = self.accelerator.unwrap_model(self.model)
@@ -237,7 +252,7 @@ def _classes() -> tuple[type, type]:
 
         def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
             """TRL's logs plus the refits made since the last log."""
-            new = self.refit_reports[self._logged_reports:]
+            new = self.refit_reports[self._logged_reports :]
             if new and self.model.training:
                 logs["mxrefit/version"] = new[-1].version
                 logs["mxrefit/refit_ms"] = sum(r.total_s for r in new) / len(new) * 1e3

@@ -34,6 +34,15 @@ from mxrefit.lifecycle.phase import (
 from mxrefit.lifecycle.reference import ReferenceMismatch, ReferenceSwap
 
 __all__ = [
-    "HostMemoryError", "OptimizerOffloader", "PhaseReport", "PinnedArena", "ReferenceMismatch", "ReferenceSwap",
-    "SleepableEngine", "TrainingPhaseReport", "host_available_bytes", "prepare_for_generation", "prepare_for_training",
+    "HostMemoryError",
+    "OptimizerOffloader",
+    "PhaseReport",
+    "PinnedArena",
+    "ReferenceMismatch",
+    "ReferenceSwap",
+    "SleepableEngine",
+    "TrainingPhaseReport",
+    "host_available_bytes",
+    "prepare_for_generation",
+    "prepare_for_training",
 ]

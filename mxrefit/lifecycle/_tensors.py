@@ -9,7 +9,7 @@ import torch
 try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # torch built without distributed
-    DTensor = None
+    DTensor = None  # type: ignore[assignment,misc]
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -45,9 +45,3 @@ def flat_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def on_stream(stream: "torch.cuda.Stream | None"):
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-
-
-def sync_current(device: torch.device) -> None:
-    """Wait for the work queued on ``device``'s current stream (not the side streams)."""
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()

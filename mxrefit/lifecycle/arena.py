@@ -21,9 +21,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from mxrefit.devices import ALIGN
 from mxrefit.errors import MxrefitError
 
-ALIGN = 512
 PAGE = 4096
 DEFAULT_HEADROOM_BYTES = 1 << 30
 
@@ -90,11 +90,12 @@ class PinnedArena:
         if self.nbytes + headroom_bytes > have:
             raise HostMemoryError(
                 f"{what} needs {gib(self.nbytes)} of host memory (plus {gib(headroom_bytes)} headroom) but only "
-                f"{gib(have)} is available; free host memory, offload less, or lower the headroom")
+                f"{gib(have)} is available; free host memory, offload less, or lower the headroom"
+            )
         self.pinned = _cuda_pinning() if pin is None else pin
         base = torch.empty(self.nbytes + PAGE, dtype=torch.uint8)
         shift = (-base.data_ptr()) % PAGE
-        self.data = base[shift: shift + self.nbytes]
+        self.data = base[shift : shift + self.nbytes]
         self._finalizer = None
         if self.pinned and self.nbytes:
             ptr = self.data.data_ptr()
@@ -107,7 +108,7 @@ class PinnedArena:
         """Bytes ``[offset, offset + nbytes)`` as a flat uint8 tensor (no copy)."""
         if offset < 0 or offset + nbytes > self.nbytes:
             raise IndexError(f"{self.what}: bytes [{offset}, {offset + nbytes}) outside its {self.nbytes} bytes")
-        return self.data[offset: offset + nbytes]
+        return self.data[offset : offset + nbytes]
 
     def close(self) -> None:
         """Drop the page lock now rather than at garbage collection (views stay valid, unpinned)."""

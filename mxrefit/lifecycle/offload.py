@@ -112,11 +112,15 @@ class OptimizerOffloader:
             if storage.nbytes() == 0 or ptr in seen:
                 return True
             if ptr in param_storage:
-                raise ValueError(f"{label} shares memory with parameter {param_storage[ptr]!r}; "
-                                 "offloading it would free the parameter (the refit's source)")
+                raise ValueError(
+                    f"{label} shares memory with parameter {param_storage[ptr]!r}; "
+                    "offloading it would free the parameter (the refit's source)"
+                )
             if not storage.resizable():
-                raise ValueError(f"{label} lives in memory torch cannot resize (shared with numpy via .numpy(), or "
-                                 "made by from_blob/frombuffer); it cannot be offloaded")
+                raise ValueError(
+                    f"{label} lives in memory torch cannot resize (shared with numpy via .numpy(), or "
+                    "made by from_blob/frombuffer); it cannot be offloaded"
+                )
             seen.add(ptr)
             found.append((label, storage))
             return True
@@ -136,8 +140,9 @@ class OptimizerOffloader:
         if self.arena is not None:
             self.arena.close()
             self.arena = None
-        self.arena = PinnedArena(nbytes, what="optimizer offload arena", available=self.available,
-                                 headroom_bytes=self.headroom_bytes)
+        self.arena = PinnedArena(
+            nbytes, what="optimizer offload arena", available=self.available, headroom_bytes=self.headroom_bytes
+        )
         self.arena_allocations += 1
 
     @torch.no_grad()
@@ -179,8 +184,10 @@ class OptimizerOffloader:
             raise RuntimeError("nothing is offloaded; offload() first")
         for name, p, _ in self._detached:
             if p.grad is not None:
-                raise RuntimeError(f"a new gradient of {name!r} was written while the optimizer state was offloaded; "
-                                   "refusing to overwrite it with the offloaded one")
+                raise RuntimeError(
+                    f"a new gradient of {name!r} was written while the optimizer state was offloaded; "
+                    "refusing to overwrite it with the offloaded one"
+                )
         cuda = self._stream is not None
         current = torch.cuda.current_stream(self.device) if cuda else None
         if cuda:  # blocks handed to the current stream may still be in use by work queued there

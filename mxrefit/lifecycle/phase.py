@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 import torch
 
-from mxrefit.lifecycle._tensors import sync_current
+from mxrefit.devices import sync_current
 
 
 class SleepableEngine(Protocol):

@@ -56,7 +56,9 @@ def _check(live: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tenso
         if name in reference:
             ref = local(reference[name])
             if tuple(ref.shape) != tuple(shard.shape) or ref.dtype != shard.dtype:
-                problems.append(f"tensor {name!r}: live {tuple(shard.shape)} {shard.dtype}, reference {tuple(ref.shape)} {ref.dtype}")
+                problems.append(
+                    f"tensor {name!r}: live {tuple(shard.shape)} {shard.dtype}, reference {tuple(ref.shape)} {ref.dtype}"
+                )
     if len(devices) > 1:
         problems.append(f"live tensors are on several devices: {sorted(map(str, devices))}")
     spans.sort()
@@ -87,8 +89,12 @@ class ReferenceSwap:
         self._ptrs = [s.data_ptr() for s in shards]
         offsets, total = aligned_layout([b.numel() for b in self._live])
         self.nbytes = sum(b.numel() for b in self._live)
-        self.arena = PinnedArena(2 * total, what="reference swap (reference weights + live scratch)",
-                                 available=available, headroom_bytes=headroom_bytes)
+        self.arena = PinnedArena(
+            2 * total,
+            what="reference swap (reference weights + live scratch)",
+            available=available,
+            headroom_bytes=headroom_bytes,
+        )
         self._ref = [self.arena.view(o, b.numel()) for o, b in zip(offsets, self._live)]
         self._scratch = [self.arena.view(total + o, b.numel()) for o, b in zip(offsets, self._live)]
         with torch.no_grad():

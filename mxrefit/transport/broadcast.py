@@ -54,25 +54,29 @@ from typing import Any, Iterator
 import torch
 from torch import distributed as dist
 
-from mxrefit.transport.buffers import (
-    MAX_BUFFER_BYTES,
-    MAX_BUFFERS,
-    OpenedBuffers,
-    TransferBuffers,
-    TransportError,
-    check_int,
-    check_keys,
-)
+from mxrefit.transport.buffers import OpenedBuffers, TransferBuffers, TransportError
+from mxrefit.transport.protocol import MAX_BUFFER_BYTES, MAX_BUFFERS, check_int, check_keys
 
-log = logging.getLogger("mxrefit.broadcast")
+log = logging.getLogger("mxrefit.source.broadcast_sender")
 
 BACKENDS = ("gloo", "nccl")
 MAX_RANKS = 1 << 16
 _POLL_S = 0.02
 _GROUP_ID_BYTES = 16
 _MAX_WHY_CHARS = 500
-_DESC_KEYS = {"kind", "nbytes", "count", "backend", "host", "port", "group", "world_size", "timeout_s",
-              "rendezvous_timeout_s", "rank"}
+_DESC_KEYS = {
+    "kind",
+    "nbytes",
+    "count",
+    "backend",
+    "host",
+    "port",
+    "group",
+    "world_size",
+    "timeout_s",
+    "rendezvous_timeout_s",
+    "rank",
+}
 
 
 class RendezvousError(TransportError):
@@ -117,8 +121,7 @@ def _check_device(backend: str, device: torch.device) -> None:
 class _Group:
     """One plan's backend process group, with the bounded waits every collective gets."""
 
-    def __init__(self, backend: str, store: dist.Store, rank: int, size: int, device: torch.device,
-                 timeout_s: float, label: str):
+    def __init__(self, backend: str, store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float, label: str):
         self.backend, self.rank, self.size, self.device = backend, rank, size, device
         self.timeout_s, self.label = timeout_s, label
         self.failed = False
@@ -132,8 +135,9 @@ class _Group:
                 with _nccl_error_handling(), torch.cuda.device(device):
                     self.pg = dist.ProcessGroupNCCL(store, rank, size, opts)
         except Exception as err:  # the backends raise RuntimeError subclasses with their own text
-            raise RendezvousError(f"could not connect {label} as rank {rank} of {size} within {timeout_s:g} s: "
-                                  f"{_first_line(err)}") from err
+            raise RendezvousError(
+                f"could not connect {label} as rank {rank} of {size} within {timeout_s:g} s: {_first_line(err)}"
+            ) from err
 
     def broadcast(self, tensor: torch.Tensor) -> Any:
         """Start a broadcast from rank 0 of ``tensor``'s bytes; returns the backend's work handle."""
@@ -152,8 +156,10 @@ class _Group:
             work.wait(_td(self.timeout_s))
         except Exception as err:
             self.failed = True
-            raise TransportError(f"{step} failed on {self.label} (rank {self.rank} of {self.size}, "
-                                 f"{self.timeout_s:g} s timeout): {_first_line(err)}") from err
+            raise TransportError(
+                f"{step} failed on {self.label} (rank {self.rank} of {self.size}, "
+                f"{self.timeout_s:g} s timeout): {_first_line(err)}"
+            ) from err
 
     def handshake(self, group_id: str) -> None:
         """The group's first collective: proves every rank is in the same group (and creates NCCL's communicator)."""
@@ -190,8 +196,7 @@ class RendezvousStore:
             sock.close()
             raise RendezvousError(f"cannot listen for the refit rendezvous on {host}:{port}: {err}") from err
         try:
-            self.store = dist.TCPStore(host, self.port, None, True, _td(timeout_s), wait_for_workers=False,
-                                       master_listen_fd=fd)
+            self.store = dist.TCPStore(host, self.port, None, True, _td(timeout_s), wait_for_workers=False, master_listen_fd=fd)
         except Exception:
             os.close(fd)
             raise
@@ -202,8 +207,9 @@ def _client_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     try:
         return dist.TCPStore(host, port, None, False, _td(timeout_s), wait_for_workers=False)
     except Exception as err:
-        raise RendezvousError(f"cannot reach the trainer's refit rendezvous at {host}:{port} within {timeout_s:g} s: "
-                              f"{_first_line(err)}") from err
+        raise RendezvousError(
+            f"cannot reach the trainer's refit rendezvous at {host}:{port} within {timeout_s:g} s: {_first_line(err)}"
+        ) from err
 
 
 def _group_store(store: dist.Store, group_id: str) -> dist.PrefixStore:
@@ -215,9 +221,18 @@ class BroadcastBuffers(TransferBuffers):
 
     kind = "broadcast"
 
-    def __init__(self, count: int, nbytes: int, device: torch.device | str, *, store: RendezvousStore,
-                 world_size: int, backend: str | None = None, timeout_s: float = 60.0,
-                 rendezvous_timeout_s: float = 60.0):
+    def __init__(
+        self,
+        count: int,
+        nbytes: int,
+        device: torch.device | str,
+        *,
+        store: RendezvousStore,
+        world_size: int,
+        backend: str | None = None,
+        timeout_s: float = 60.0,
+        rendezvous_timeout_s: float = 60.0,
+    ):
         check_int(count, "count", 1, MAX_BUFFERS)
         check_int(nbytes, "nbytes", 1, MAX_BUFFER_BYTES)
         check_int(world_size, "world_size", 2, MAX_RANKS)
@@ -237,10 +252,18 @@ class BroadcastBuffers(TransferBuffers):
 
     def describe(self) -> dict[str, Any]:
         """Everything a rank needs to join, except its rank (the sender adds ``rank``: 1..world_size-1)."""
-        return {"kind": self.kind, "nbytes": self.nbytes, "count": len(self.buffers), "backend": self.backend,
-                "host": self.store.host, "port": self.store.port, "group": self.group_id,
-                "world_size": self.world_size, "timeout_s": self.timeout_s,
-                "rendezvous_timeout_s": self.rendezvous_timeout_s}
+        return {
+            "kind": self.kind,
+            "nbytes": self.nbytes,
+            "count": len(self.buffers),
+            "backend": self.backend,
+            "host": self.store.host,
+            "port": self.store.port,
+            "group": self.group_id,
+            "world_size": self.world_size,
+            "timeout_s": self.timeout_s,
+            "rendezvous_timeout_s": self.rendezvous_timeout_s,
+        }
 
     def join(self, peers: list[str]) -> None:
         """Form the group as rank 0 once every rank joined; ``peers[r - 1]`` names rank r in errors."""
@@ -329,8 +352,9 @@ def _check_desc(desc: dict[str, Any]) -> dict[str, Any]:
     return desc
 
 
-def open_broadcast(desc: dict[str, Any], device: torch.device | str | None = None, *,
-                   max_wait_s: float | None = None) -> BroadcastOpened:
+def open_broadcast(
+    desc: dict[str, Any], device: torch.device | str | None = None, *, max_wait_s: float | None = None
+) -> BroadcastOpened:
     """Allocate this rank's slots and join the trainer's group.
 
     Blocks up to twice the rendezvous timeout (then the handshake), which ``max_wait_s`` (the engine's own timeout)
@@ -356,8 +380,9 @@ def open_broadcast(desc: dict[str, Any], device: torch.device | str | None = Non
         raise RendezvousError(f"{label}: rank {rank} joined, but the trainer decided nothing within {patience:g} s") from err
     decision = store.get("decision")
     if decision != b"go":
-        raise RendezvousError(f"{label}: the trainer abandoned the rendezvous: "
-                              f"{decision.removeprefix(b'abandon:').decode(errors='replace')}")
+        raise RendezvousError(
+            f"{label}: the trainer abandoned the rendezvous: {decision.removeprefix(b'abandon:').decode(errors='replace')}"
+        )
     group = _Group(d["backend"], store, rank, world, device, float(d["timeout_s"]), label)
     try:
         group.handshake(d["group"])

@@ -103,9 +103,7 @@ def private_ipc_address() -> str:
     path = os.path.join(directory, _SOCKET_NAME)
     if len(path.encode()) > _MAX_UNIX_PATH:
         os.rmdir(directory)
-        raise ValueError(
-            f"Unix socket path {path!r} is longer than {_MAX_UNIX_PATH} bytes; set TMPDIR to a shorter directory"
-        )
+        raise ValueError(f"Unix socket path {path!r} is longer than {_MAX_UNIX_PATH} bytes; set TMPDIR to a shorter directory")
     return f"ipc://{path}"
 
 
@@ -116,7 +114,7 @@ def remove_stale_dirs(parent: str | None = None) -> list[str]:
     is older than a server takes to bind. A SIGKILLed engine leaves such a directory behind.
     """
     parent = parent or tempfile.gettempdir()
-    removed = []
+    removed: list[str] = []
     try:
         names = [n for n in os.listdir(parent) if n.startswith(_DIR_PREFIX)]
     except OSError:
@@ -246,7 +244,7 @@ def _check_deadline(deadline: _Deadline, peer: str, step: str) -> None:
 
 def _tcp_host(address: str) -> str:
     """The host part of ``tcp://host:port`` (brackets stripped from IPv6)."""
-    rest = address[len("tcp://"):]
+    rest = address[len("tcp://") :]
     host, sep, _port = rest.rpartition(":")
     if not sep or not host:
         raise ValueError(f"tcp address {address!r} must look like tcp://host:port")
@@ -295,7 +293,7 @@ def _new_socket(kind: int, address: str, max_message_bytes: int) -> tuple[zmq.Co
 
 
 def _ipc_path(address: str) -> str | None:
-    return address[len("ipc://"):] if address.startswith("ipc://") else None
+    return address[len("ipc://") :] if address.startswith("ipc://") else None
 
 
 class _Strangers:
@@ -366,9 +364,17 @@ class ControlServer:
     ``max_strangers`` of them (``_Strangers``).
     """
 
-    def __init__(self, address: str | None = None, *, token: bytes | None = None, tcp: bool = False,
-                 allow_remote: bool = False, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 stranger_idle_s: float = _STRANGER_IDLE_S, max_strangers: int = _MAX_STRANGERS) -> None:
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        token: bytes | None = None,
+        tcp: bool = False,
+        allow_remote: bool = False,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        stranger_idle_s: float = _STRANGER_IDLE_S,
+        max_strangers: int = _MAX_STRANGERS,
+    ) -> None:
         self.token: bytes = new_token() if token is None else _checked_token(token)
         self.max_message_bytes = _checked_limit(max_message_bytes)
         self.rejected: int = 0
@@ -404,7 +410,7 @@ class ControlServer:
             if tcp:
                 return "tcp://127.0.0.1:*"
             chosen = private_ipc_address()
-            self._private_dir = os.path.dirname(chosen[len("ipc://"):])
+            self._private_dir = os.path.dirname(chosen[len("ipc://") :])
             _register_dir(self._private_dir)
             return chosen
         if tcp and not address.startswith("tcp://"):
@@ -454,8 +460,7 @@ class ControlServer:
         now = time.monotonic()
         if now - self._logged_at >= _LOG_EVERY_S:
             more = f" (and {self._unlogged} more since the last one logged)" if self._unlogged else ""
-            log.warning("rejected a control frame from connection %s on %s: %s%s", identity.hex()[:16],
-                        self.address, why, more)
+            log.warning("rejected a control frame from connection %s on %s: %s%s", identity.hex()[:16], self.address, why, more)
             self._logged_at, self._unlogged = now, 0
         else:
             self._unlogged += 1

@@ -39,20 +39,21 @@ from typing import Any
 import torch
 
 from mxrefit.devices import resolve
-from mxrefit.transport.buffers import (
-    MAX_BUFFER_BYTES,
-    OpenedBuffers,
-    TransferBuffers,
-    check_int,
-    check_keys,
-    check_list,
-)
+from mxrefit.transport.buffers import OpenedBuffers, TransferBuffers
+from mxrefit.transport.protocol import MAX_BUFFER_BYTES, check_int, check_keys, check_list
 
 ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
-_FIELD_NAMES = ("device", "handle", "size", "offset", "ref_counter_handle", "ref_counter_offset",
-                "event_handle", "event_sync_required")
-_FIELD_TYPES: tuple[tuple[type, ...], ...] = ((int,), (bytes,), (int,), (int,), (bytes,), (int,),
-                                              (bytes, type(None)), (bool,))
+_FIELD_NAMES = (
+    "device",
+    "handle",
+    "size",
+    "offset",
+    "ref_counter_handle",
+    "ref_counter_offset",
+    "event_handle",
+    "event_sync_required",
+)
+_FIELD_TYPES: tuple[tuple[type, ...], ...] = ((int,), (bytes,), (int,), (int,), (bytes,), (int,), (bytes, type(None)), (bool,))
 _MAX_HANDLE_BYTES = 4096
 _OWNED_HERE: set[str] = set()
 _OPEN_HERE: set[tuple[bytes, int]] = set()
@@ -163,8 +164,13 @@ class CudaIpcBuffers(TransferBuffers):
             raise RuntimeError("these CUDA IPC buffers are closed")
         with torch.cuda.device(self.device):
             exports = [_export(t) for t in self.buffers]
-        return {"kind": self.kind, "nbytes": self.nbytes, "device_uuid": self._uuid,
-                "owner_id": self._owner_id, "exports": exports}
+        return {
+            "kind": self.kind,
+            "nbytes": self.nbytes,
+            "device_uuid": self._uuid,
+            "owner_id": self._owner_id,
+            "exports": exports,
+        }
 
     def close(self) -> None:
         """Drop our tensors and reclaim blocks no peer maps any more."""

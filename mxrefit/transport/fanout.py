@@ -35,19 +35,24 @@ def combined_status(statuses: dict[int, dict], lost: dict[int, str], names: Sequ
     ``version`` is the newest any rank holds (the next refit must exceed it on every rank);
     ``ranks`` lists each rank's own version, state and error (``lost`` ranks: why).
     """
-    ranks = []
+    ranks: list[dict[str, Any]] = []
     for i, name in enumerate(names):
         if i in lost:
             ranks.append({"engine": i, "name": name, "version": None, "state": "lost", "error": lost[i]})
         elif i in statuses:
             s = statuses[i]
-            ranks.append({"engine": i, "name": name, "version": s.get("version"), "state": s.get("state"),
-                          "error": s.get("error")})
-    versions = [r["version"] for r in ranks if r["version"] is not None]
+            ranks.append(
+                {"engine": i, "name": name, "version": s.get("version"), "state": s.get("state"), "error": s.get("error")}
+            )
+    versions: list[int] = [r["version"] for r in ranks if r["version"] is not None]
     whole = not lost and all(r["state"] == "ready" for r in ranks) and len(set(versions)) == 1
     errors = [f"{r['name']}: {r['error']}" for r in ranks if r["error"]]
-    return {"version": max(versions, default=0), "state": "ready" if whole else "partial",
-            "error": "; ".join(errors) or None, "ranks": ranks}
+    return {
+        "version": max(versions, default=0),
+        "state": "ready" if whole else "partial",
+        "error": "; ".join(errors) or None,
+        "ranks": ranks,
+    }
 
 
 def _table_differences(name: str, mine: dict, first: dict, first_name: str) -> list[str]:
@@ -203,12 +208,22 @@ class ControlFanOut:
         if first["op"] == Op.PLANNED:  # each rank names its own adoption; a begin echoes them all
             merged["adoption"] = [r["adoption"] if isinstance(r["adoption"], str) else "" for r in replies.values()]
         if first["op"] == Op.TABLES:
-            problems = [p for i, r in replies.items() if i != first_i
-                        for p in _table_differences(self.names[i], r, first, self.names[first_i])]
+            problems = [
+                p
+                for i, r in replies.items()
+                if i != first_i
+                for p in _table_differences(self.names[i], r, first, self.names[first_i])
+            ]
             if problems:
-                return {"op": Op.ERROR, "kind": "plan_mismatch",
-                        "problems": ["engine ranks describe different models; every rank must give the whole-model "
-                                     "tables (slices go in shards()):", *problems]}
+                return {
+                    "op": Op.ERROR,
+                    "kind": "plan_mismatch",
+                    "problems": [
+                        "engine ranks describe different models; every rank must give the whole-model "
+                        "tables (slices go in shards()):",
+                        *problems,
+                    ],
+                }
             merged["exportable"] = all(r.get("exportable") for r in replies.values())
         for key in _TIMINGS:
             if key in first:

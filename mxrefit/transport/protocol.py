@@ -26,6 +26,10 @@ import msgpack
 
 from mxrefit.errors import MxrefitError
 
+BYTESUM_MOD = 65521  # the modulus of the "checksum" reply's weighted sum (transport/bytesum.py)
+MAX_BUFFERS = 1024  # the most transfer buffers a description may name
+MAX_BUFFER_BYTES = 1 << 44  # the largest buffer a description may claim
+
 
 class Op:
     """Message kinds (the ``op`` field). Requests go trainer → engine, replies engine → trainer."""
@@ -88,15 +92,21 @@ def frame(token: bytes, msg: dict[str, Any]) -> bytes:
 
 def authenticated_body(data: bytes, token: bytes) -> bytes | None:
     """The map's bytes if ``data`` starts with ``token`` (constant-time compare), else None."""
-    return data[len(token):] if hmac.compare_digest(data[: len(token)], token) else None
+    return data[len(token) :] if hmac.compare_digest(data[: len(token)], token) else None
 
 
 def decode(body: bytes) -> dict[str, Any]:
     """One bounded decode of a message map with a str ``op``; Malformed for anything else."""
     try:
         obj = msgpack.unpackb(
-            body, raw=False, strict_map_key=True, max_str_len=MAX_STR_BYTES,
-            max_bin_len=MAX_BIN_BYTES, max_array_len=MAX_ARRAY_LEN, max_map_len=MAX_MAP_LEN, max_ext_len=0,
+            body,
+            raw=False,
+            strict_map_key=True,
+            max_str_len=MAX_STR_BYTES,
+            max_bin_len=MAX_BIN_BYTES,
+            max_array_len=MAX_ARRAY_LEN,
+            max_map_len=MAX_MAP_LEN,
+            max_ext_len=0,
         )
     except Exception as err:  # msgpack raises several types (ValueError, ExtraData, FormatError, StackError, ...)
         raise Malformed(f"undecodable frame: {type(err).__name__}: {err}") from None
@@ -182,15 +192,31 @@ def _STATE(v: Any) -> bool:
 
 
 # per kind: field -> (check, required). Extra fields are allowed (a newer peer may add some).
-_STATUS_FIELDS = {"version": (_INT, True), "state": (_STATE, True), "error": (_optional(_STR), False),
-                  "rejected": (_INT, False), "ranks": (_LIST, False)}
+_STATUS_FIELDS = {
+    "version": (_INT, True),
+    "state": (_STATE, True),
+    "error": (_optional(_STR), False),
+    "rejected": (_INT, False),
+    "ranks": (_LIST, False),
+}
 REQUESTS: dict[str, dict[str, tuple[Any, bool]]] = {
     Op.HELLO: {},
-    Op.PLAN: {"sources": (_LIST, True), "bucket_bytes": (_INT, True), "slots": (_INT, True), "digest": (_STR, True),
-              "plan_id": (_optional(_STR), False), "transport": (_STR, False), "verify": (_optional(_BOOL), False),
-              "buffers": (_DICT, False)},
-    Op.BEGIN: {"version": (_INT, True), "digest": (_STR, True), "plan_id": (_optional(_STR), False),
-               "adoptions": (_optional(_is_str_list), False)},
+    Op.PLAN: {
+        "sources": (_LIST, True),
+        "bucket_bytes": (_INT, True),
+        "slots": (_INT, True),
+        "digest": (_STR, True),
+        "plan_id": (_optional(_STR), False),
+        "transport": (_STR, False),
+        "verify": (_optional(_BOOL), False),
+        "buffers": (_DICT, False),
+    },
+    Op.BEGIN: {
+        "version": (_INT, True),
+        "digest": (_STR, True),
+        "plan_id": (_optional(_STR), False),
+        "adoptions": (_optional(_is_str_list), False),
+    },
     Op.READY: {"version": (_INT, True), "bucket": (_INT, True), "sum": (_optional(_is_int_list), False)},
     Op.COMMIT: {"version": (_INT, True)},
     Op.ABORT: {"version": (_optional(_INT), False), "why": (lambda v: True, False)},
@@ -199,20 +225,37 @@ REQUESTS: dict[str, dict[str, tuple[Any, bool]]] = {
     Op.SHUTDOWN: {},
 }
 REPLIES: dict[str, dict[str, tuple[Any, bool]]] = {
-    Op.TABLES: {"params": (_LIST, True), "destinations": (_LIST, True), "exportable": (_BOOL, True),
-                "device": (_STR, True), **_STATUS_FIELDS},
-    Op.PLANNED: {"digest": (_STR, True), "adoption": (lambda v: isinstance(v, str) or _is_str_list(v), True),
-                 "exports": (_DICT, False)},
+    Op.TABLES: {
+        "params": (_LIST, True),
+        "destinations": (_LIST, True),
+        "exportable": (_BOOL, True),
+        "device": (_STR, True),
+        **_STATUS_FIELDS,
+    },
+    Op.PLANNED: {
+        "digest": (_STR, True),
+        "adoption": (lambda v: isinstance(v, str) or _is_str_list(v), True),
+        "exports": (_DICT, False),
+    },
     Op.BEGUN: {"version": (_INT, True)},
     Op.APPLIED: {"bucket": (_INT, True)},
-    Op.COMMITTED: {**_STATUS_FIELDS, "fetch_s": (_NUM, False), "apply_s": (_NUM, False), "process_s": (_NUM, False),
-                   "after_refit_s": (_NUM, False)},
+    Op.COMMITTED: {
+        **_STATUS_FIELDS,
+        "fetch_s": (_NUM, False),
+        "apply_s": (_NUM, False),
+        "process_s": (_NUM, False),
+        "after_refit_s": (_NUM, False),
+    },
     Op.ABORTED: _STATUS_FIELDS,
     Op.STATUS: _STATUS_FIELDS,
     Op.BYE: _STATUS_FIELDS,
     Op.CHECKSUM: {"sha256": (lambda v: isinstance(v, list) and all(x is None or isinstance(x, str) for x in v), True)},
-    Op.ERROR: {"kind": (_STR, True), "problems": (_LIST, True), "version": (_optional(_INT), False),
-               "state": (_optional(_STATE), False)},
+    Op.ERROR: {
+        "kind": (_STR, True),
+        "problems": (_LIST, True),
+        "version": (_optional(_INT), False),
+        "state": (_optional(_STATE), False),
+    },
     Op.REJECTED: {"why": (lambda v: True, False)},
 }
 
@@ -259,3 +302,29 @@ def check_reply(msg: dict[str, Any], *expected: str) -> dict[str, Any]:
             problems.append(f"... and {len(msg['problems']) - MAX_PROBLEMS} more")
         msg["problems"] = problems
     return msg
+
+
+# ---- field validators, shared by every message and buffer description reader ----------------
+def check_int(value: Any, name: str, low: int, high: int) -> int:
+    """``value`` as an int in [low, high], else ValueError (bools are not counts)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name} must be an int in [{low}, {high}], got {value!r}")
+    return value
+
+
+def check_keys(desc: dict[str, Any], expected: set[str]) -> None:
+    """Exact key set, so a truncated or foreign description fails loudly instead of half-working."""
+    missing = expected - desc.keys()
+    extra = desc.keys() - expected
+    if missing or extra:
+        raise ValueError(
+            f"bad {desc.get('kind')!r} buffer description: missing keys {sorted(missing)}, "
+            f"unexpected keys {sorted(map(str, extra))}"
+        )
+
+
+def check_list(value: Any, name: str) -> list[Any]:
+    """A non-empty list of at most MAX_BUFFERS entries."""
+    if not isinstance(value, list) or not 1 <= len(value) <= MAX_BUFFERS:
+        raise ValueError(f"{name} must be a list of 1..{MAX_BUFFERS} entries, got {value!r:.200}")
+    return value

@@ -25,14 +25,8 @@ from typing import Any
 
 import torch
 
-from mxrefit.transport.buffers import (
-    MAX_BUFFER_BYTES,
-    OpenedBuffers,
-    TransferBuffers,
-    check_int,
-    check_keys,
-    check_list,
-)
+from mxrefit.transport.buffers import OpenedBuffers, TransferBuffers
+from mxrefit.transport.protocol import MAX_BUFFER_BYTES, check_int, check_keys, check_list
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
 
@@ -44,9 +38,7 @@ def _map_segment(name: str) -> mmap.mmap:
     try:
         fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
     except FileNotFoundError:
-        raise FileNotFoundError(
-            f"shared memory segment {name!r} does not exist: its owner closed it or exited"
-        ) from None
+        raise FileNotFoundError(f"shared memory segment {name!r} does not exist: its owner closed it or exited") from None
     try:
         return mmap.mmap(fd, os.fstat(fd).st_size)
     finally:

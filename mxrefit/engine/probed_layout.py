@@ -1,0 +1,337 @@
+"""Post-load processing learned once as a fixed byte gather, by probing the processing itself.
+
+Why: some backends' post-load processing is a pure byte permutation run slowly. vLLM's Marlin
+MXFP8 path on Hopper (``MarlinMxfp8LinearKernel``, Marlin MoE) packs fp8 bytes into int32
+words, repacks them into Marlin tiles (``gptq_marlin_repack``) and permutes the e8m0 scales
+through bf16 and back, looping over experts in Python: 2.5 s per refit for Qwen3-30B-A3B. No
+byte of the result is computed, each is copied from one input byte, so for one module
+*signature* (classes, shapes, dtypes) the whole processing is ``kernel = staged[index]``, and
+that index can be read off the processing by feeding it index-coded inputs:
+- per expert, the staged inputs' bytes are laid end to end (T bytes); probe d puts digit d
+  (base 256) of ``o + 1`` at byte offset o, the same in every expert; the kernel's bytes after
+  the D probes (D: base-256 digits of T) spell, per output byte, 1 + the offset it came from (0: from no input byte);
+- a probe of seeded random bytes, different per expert, and then the real weights check the
+  learned gather against the processing byte for byte: content-dependent processing
+  (arithmetic, sorting, cross-expert moves) that happens to fit the index probes fails there;
+- tensors the processing keeps beside its parameters (``watch``) must hold the same bytes
+  after every probe, else skipping the processing would leave them stale.
+Refusals are reasons (strings), never exceptions: the caller keeps the slow path for them.
+Whatever the outcome, ``derive`` ends by processing the real weights, so the module serves
+them. ``ProbedLayout.apply`` then runs one gather per kernel tensor: a Triton kernel on CUDA
+that reads the per-expert index once for all experts, ``index_select`` elsewhere, writing into
+the kernel tensors' bytes in place (CUDA graphs hold their addresses).
+
+What the callables must do (vLLM: ``process`` = ``_process_with_vllm(module, ·)``): ``process`` runs
+the full processing from checkpoint-format tensors and leaves the results in the tensors
+``read_kernel`` returns (in place or not: they are read after each run); ``read_kernel`` returns
+only tensors whose bytes come from the staged ones (empty placeholders are skipped); anything
+else the processing keeps (Marlin's ``workspace``) belongs in ``watch``. The cache key must
+fix everything else the processing depends on: classes (module, quant method, kernel), shapes
+and dtypes of staged and kernel tensors, the parameter dtype scales pass through (e8m0 through
+bf16 or fp32 is exact; through fp16 it is not, and the validation refuses).
+
+Output bytes no input feeds are refused, zero padding included (Marlin pads weights whose
+shapes miss its tiles, ``marlin_padded_nk``): such modules keep the slow path.
+
+Engine-agnostic: only torch (triton lazily); tests/test_probed_layout.py checks it on CPU
+against the TRT-LLM layout of ``integrations/vllm/trtllm.py``, vLLM's own Marlin MXFP8 steps that run
+on CPU, a Marlin-like repack and negative controls.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+
+import torch
+
+Tensors = dict[str, torch.Tensor]
+VALIDATION_SEED = 20260605
+CHECK_BYTES = 1 << 26  # scratch for checking a learned gather against the processing
+
+
+class _Refusal(ValueError):
+    """A reason the processing is not a fixed per-expert byte gather (``derive`` returns it as a string)."""
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes, flat (a view: writes land in the tensor)."""
+    if not t.is_contiguous():
+        raise _Refusal(f"a non-contiguous tensor {tuple(t.shape)} has no flat byte view")
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _expert_rows(t: torch.Tensor, experts: int, name: str) -> torch.Tensor:
+    """``t``'s bytes as (experts, bytes per expert)."""
+    flat = _bytes(t)
+    if flat.numel() % experts:
+        raise _Refusal(f"{name}: {flat.numel()} bytes do not split over {experts} experts")
+    return flat.view(experts, -1)
+
+
+def _nonempty(kernel: Tensors) -> Tensors:
+    """Kernel tensors with bytes to write (Marlin-style modules hold empty placeholders such as ``g_idx``)."""
+    return {attr: t for attr, t in kernel.items() if t.numel()}
+
+
+def _kernels(device: torch.device):
+    """The Triton gather where it runs (CUDA, or Triton's CPU interpreter), else None (torch path)."""
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return None
+    try:
+        from mxrefit.engine import _gather_triton
+    except ImportError:
+        return None
+    return _gather_triton
+
+
+def gather_rows(src: torch.Tensor, dst: torch.Tensor, index: torch.Tensor) -> None:
+    """``dst[e, j] = src[e, index[j]]`` for uint8 (E, n_in) ``src`` and (E, n_out) ``dst``, in place."""
+    kernels = _kernels(dst.device)
+    if kernels is not None:
+        kernels.gather(src, dst, index)
+    else:
+        torch.index_select(src, 1, index, out=dst)
+
+
+@dataclass(frozen=True)
+class ByteGather:
+    """``kernel[e].view(uint8)[j] = staged[source][e].view(uint8)[index[j]]`` for every expert e."""
+
+    source: str
+    experts: int  # 1 when the parameter has no expert dimension
+    source_bytes: int  # bytes of one expert of ``source``: a staged tensor of another size is refused
+    index: torch.Tensor  # int32 (int64 past 2 GiB per expert), on the device, one entry per output byte of ONE expert
+
+    def __call__(self, staged: torch.Tensor, kernel: torch.Tensor) -> None:
+        src, dst = _bytes(staged), _bytes(kernel)
+        if src.numel() != self.experts * self.source_bytes or dst.numel() != self.experts * self.index.numel():
+            raise ValueError(
+                f"the gather from {self.source} was learned for {self.experts} x {self.source_bytes} bytes "
+                f"into {self.experts} x {self.index.numel()}, got {src.numel()} into {dst.numel()}"
+            )
+        gather_rows(src.view(self.experts, -1), dst.view(self.experts, -1), self.index)
+
+
+@dataclass
+class ProbedLayout:
+    """A module's post-load processing as one byte gather per kernel tensor."""
+
+    gathers: dict[str, ByteGather]  # kernel attribute -> gather
+
+    def apply(self, staged: Tensors, kernel: Tensors) -> None:
+        """Write every kernel tensor from the checkpoint-format ``staged`` tensors, in place."""
+        for attr, g in self.gathers.items():
+            g(staged[g.source], kernel[attr])
+
+    @property
+    def index_bytes(self) -> int:
+        """Device memory the indices hold."""
+        return sum(g.index.numel() * g.index.element_size() for g in self.gathers.values())
+
+
+class _Watch:
+    """Bytes of the tensors the processing keeps beside its parameters, after each processing run."""
+
+    def __init__(self, watch: Callable[[], Tensors] | None):
+        self.watch = watch
+        self.first: Tensors | None = None
+        self.changed: set[str] = set()
+
+    def look(self) -> None:
+        if self.watch is None:
+            return
+        now = {name: t.detach().reshape(-1).view(torch.uint8).clone() for name, t in self.watch().items()}
+        if self.first is None:
+            self.first = now
+            return
+        for name in self.first.keys() | now.keys():
+            a, b = self.first.get(name), now.get(name)
+            if a is None or b is None or not torch.equal(a, b):
+                self.changed.add(name)
+
+    def reason(self) -> str | None:
+        if not self.changed:
+            return None
+        return (
+            f"the processing keeps tensors whose bytes depend on its input: {sorted(self.changed)} "
+            "(a gather would leave them stale)"
+        )
+
+
+def _coded_inputs(staged: Tensors, rows: torch.Tensor) -> Tensors:
+    """Tensors shaped like ``staged`` from (E, T) uint8 ``rows``: each expert's inputs' bytes laid end to end."""
+    out, at = {}, 0
+    for name, t in staged.items():
+        n = t.numel() * t.element_size() // rows.shape[0]
+        out[name] = rows[:, at : at + n].contiguous().view(-1).view(t.dtype).view(t.shape)
+        at += n
+    return out
+
+
+def _check_inputs(staged: Tensors, experts: int) -> None:
+    for name, t in staged.items():
+        if t.dtype == torch.bool:
+            raise _Refusal(f"{name}: bool tensors cannot carry arbitrary bytes")
+        if experts > 1 and (t.dim() == 0 or t.shape[0] != experts):
+            raise _Refusal(f"{name}: shape {tuple(t.shape)} has no leading expert dimension of {experts}")
+
+
+def _verify(layout: ProbedLayout, staged: Tensors, kernel: Tensors, what: str) -> None:
+    """The gather applied to ``staged`` must equal what the processing left in ``kernel``, byte for byte.
+    Checked a few experts at a time, so the scratch stays near ``CHECK_BYTES`` however large the module."""
+    kernel = _nonempty(kernel)
+    if kernel.keys() != layout.gathers.keys():
+        raise _Refusal(f"the processing's kernel tensors changed from {sorted(layout.gathers)} to {sorted(kernel)} on {what}")
+    for attr, g in layout.gathers.items():
+        src = _expert_rows(staged[g.source], g.experts, g.source)
+        want = _expert_rows(kernel[attr], g.experts, attr)
+        step = max(1, CHECK_BYTES // max(1, want.shape[1]))
+        for e in range(0, g.experts, step):
+            got = torch.empty_like(want[e : e + step])
+            gather_rows(src[e : e + step], got, g.index)
+            if not torch.equal(got, want[e : e + step]):
+                raise _Refusal(
+                    f"{attr}: the learned gather differs from the processing on {what} "
+                    f"(experts {e}..{min(e + step, g.experts) - 1} of {g.experts}): "
+                    "the processing is not a fixed byte permutation"
+                )
+
+
+def _learn(
+    process: Callable[[Tensors], None], read_kernel: Callable[[], Tensors], staged: Tensors, experts: int, watch: _Watch
+) -> ProbedLayout:
+    """The index probes and the random validation probe; raises ``_Refusal``."""
+    names = list(staged)
+    sizes = [staged[n].numel() * staged[n].element_size() // experts for n in names]
+    starts = torch.tensor([0, *sizes], dtype=torch.int64).cumsum(0)
+    total = int(starts[-1])
+    device = next(iter(staged.values())).device
+    digits = 1
+    while 256**digits <= total:  # the codes run 1..T; 0 marks a byte no input fed
+        digits += 1
+    codes = torch.arange(1, total + 1, dtype=torch.int64, device=device)
+    acc: dict[str, torch.Tensor] = {}
+    for d in range(digits):
+        digit = (codes >> (8 * d)).remainder(256).to(torch.uint8)
+        process(_coded_inputs(staged, digit.view(1, -1).expand(experts, -1)))  # the same in every expert
+        watch.look()
+        kernel = _nonempty(read_kernel())
+        if acc and kernel.keys() != acc.keys():
+            raise _Refusal(f"the processing's kernel tensors changed between probes: {sorted(acc)} vs {sorted(kernel)}")
+        for attr, t in kernel.items():
+            rows = _expert_rows(t, experts, attr)
+            if any(not torch.equal(rows[e], rows[0]) for e in range(1, experts)):
+                raise _Refusal(f"{attr}: experts given the same bytes come out different (the layout varies per expert)")
+            acc[attr] = acc.get(attr, 0) + (rows[0].to(torch.int64) << (8 * d))
+    del codes
+    gathers = {}
+    for attr, code in acc.items():
+        src = code - 1
+        if bool((src < 0).any()):
+            raise _Refusal(
+                f"{attr}: {int((src < 0).sum())} of {src.numel()} bytes come from no input byte (padding, or computed)"
+            )
+        if bool((src >= total).any()):
+            raise _Refusal(f"{attr}: bytes that decode past the inputs' end (the processing computes them)")
+        which = torch.searchsorted(starts.to(device), src, right=True) - 1
+        first, last = int(which.min()), int(which.max())
+        if first != last:
+            raise _Refusal(f"{attr}: its bytes come from several inputs ({names[first]} ... {names[last]}): a gather reads one")
+        local = src - int(starts[first])
+        dtype = torch.int32 if sizes[first] < 2**31 else torch.int64
+        gathers[attr] = ByteGather(names[first], experts, sizes[first], local.to(dtype))
+    del acc
+    layout = ProbedLayout(gathers)
+    g = torch.Generator(device=device).manual_seed(VALIDATION_SEED)
+    noise = torch.randint(0, 256, (experts, total), generator=g, dtype=torch.uint8, device=device)
+    probe = _coded_inputs(staged, noise)
+    del noise
+    process(probe)
+    watch.look()
+    _verify(layout, probe, read_kernel(), "random bytes")
+    return layout
+
+
+def derive(
+    process: Callable[[Tensors], None],
+    read_kernel: Callable[[], Tensors],
+    staged: Tensors,
+    *,
+    experts: int,
+    watch: Callable[[], Tensors] | None = None,
+) -> ProbedLayout | str:
+    """Learn the processing of one module as a byte gather, or say why it is not one.
+
+    ``process(tensors)`` runs the processing of the module from checkpoint-format tensors shaped
+    like ``staged``; afterwards ``read_kernel()`` returns the module's kernel tensors (any dtype,
+    contiguous, the same ones every time). ``watch()`` returns other tensors the processing keeps;
+    their bytes must not depend on the input. ``experts``: E, the leading dim of every staged
+    tensor (1 for a module without experts). Runs ``process`` D + 2 times (D = base-256 digits of
+    the bytes per expert), the last time on ``staged``, so the module ends up holding the
+    processed real weights whether a layout or a reason (str) is returned.
+    """
+    if experts < 1:
+        raise ValueError(f"experts must be at least 1, got {experts}")
+    watched = _Watch(watch)
+    layout: ProbedLayout | None = None
+    reason = None
+    try:
+        _check_inputs(staged, experts)
+        layout = _learn(process, read_kernel, staged, experts, watched)
+    except _Refusal as refusal:
+        reason = str(refusal)
+    except Exception as exc:  # the processing may reject probe bytes (a finiteness check, say): its slow path stays
+        reason = f"the processing failed on a probe: {exc!r}"
+    process(staged)
+    watched.look()
+    if layout is not None:
+        try:
+            _verify(layout, staged, read_kernel(), "the real weights")
+        except _Refusal as refusal:
+            reason = str(refusal)
+    reason = reason or watched.reason()
+    if reason is not None or layout is None:
+        return reason or "no layout was learned"
+    return layout
+
+
+def tensor_signature(tensors: Tensors) -> tuple:
+    """(name, shape, dtype, device) of each tensor: the part of a cache key the tensors give."""
+    return tuple((name, tuple(t.shape), t.dtype, str(t.device)) for name, t in tensors.items())
+
+
+@dataclass
+class LayoutCache:
+    """Probed layouts, and refusals, per module signature: one probe serves every layer of that shape.
+
+    The key is the caller's; it must hold everything the processing depends on besides the bytes
+    (module and quant-method classes, ``tensor_signature`` of the staged and kernel tensors, ...).
+    """
+
+    entries: dict[Hashable, ProbedLayout | str] = field(default_factory=dict)
+
+    def run(
+        self,
+        key: Hashable,
+        process: Callable[[Tensors], None],
+        read_kernel: Callable[[], Tensors],
+        staged: Tensors,
+        *,
+        experts: int,
+        watch: Callable[[], Tensors] | None = None,
+    ) -> ProbedLayout | str:
+        """Bring the module to the processed ``staged`` weights by the fastest known way, and return
+        the key's layout or refusal: a known layout is applied into ``read_kernel()``'s tensors (the
+        module must have been processed before, so they exist); a known refusal runs ``process``;
+        an unknown key is derived (which processes the real weights last)."""
+        known = self.entries.get(key)
+        if isinstance(known, ProbedLayout):
+            known.apply(staged, read_kernel())
+        elif known is not None:
+            process(staged)
+        else:
+            known = derive(process, read_kernel, staged, experts=experts, watch=watch)
+            self.entries[key] = known
+        return known

@@ -1,0 +1,117 @@
+"""Triton kernel of ``mxrefit.formats.finite_check``: one launch screens many tensors of one dtype.
+
+A value is non-finite when its exponent bits are all ones (bf16: 0x7F80, fp16: 0x7C00,
+fp32: 0x7F800000); the kernel reads raw words and tests those bits, so it is exact under
+Triton's CPU interpreter too. Programs are (tensor, chunk) pairs from a table built once;
+source addresses are re-sent only when they change. A hit records the smallest *caller*
+index of a bad tensor through ``atomic_min``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+CHUNK = 16384
+
+
+def supported(device: torch.device) -> bool:
+    return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+@triton.jit
+def _scan_kernel(
+    prog_tensor,
+    prog_start,
+    numel_of,
+    src_addr,
+    caller_index,
+    flag,
+    EXP_MASK: tl.constexpr,
+    WORD_BITS: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    t = tl.load(prog_tensor + pid)
+    start = tl.multiple_of(tl.load(prog_start + pid).to(tl.int64), CHUNK)
+    n = tl.load(numel_of + t)
+    if WORD_BITS == 16:
+        src = tl.load(src_addr + t).to(tl.pointer_type(tl.int16))
+    else:
+        src = tl.load(src_addr + t).to(tl.pointer_type(tl.int32))
+    if ALIGNED:  # a tabled address carries no alignment: say it, or every load is scalar
+        src = tl.multiple_of(src, 16)
+    hits = tl.zeros([BLOCK], dtype=tl.int32)
+    if start + CHUNK <= n:  # whole chunk: no mask, so the loads vectorize
+        for i in range(0, CHUNK, BLOCK):
+            words = tl.load(src + start + i + tl.arange(0, BLOCK)).to(tl.int32)
+            hits = hits | ((words & EXP_MASK) == EXP_MASK).to(tl.int32)
+    else:
+        for i in range(0, CHUNK, BLOCK):
+            offs = start + i + tl.arange(0, BLOCK)
+            words = tl.load(src + offs, mask=offs < n, other=0).to(tl.int32)
+            hits = hits | ((words & EXP_MASK) == EXP_MASK).to(tl.int32)
+    any_hit = tl.max(hits, axis=0)
+    tl.atomic_min(flag, tl.load(caller_index + t), mask=any_hit > 0)
+
+
+_EXP_MASK = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00, torch.float32: 0x7F800000}
+
+
+class ScanGroup:
+    """Tables for one dtype's tensors; call with the step's tensors (same order, contiguous)."""
+
+    def __init__(self, numels: list[int], dtype: torch.dtype, device: torch.device, block: int = 2048):
+        self.device = device
+        self.dtype = dtype
+        self.block = block
+        prog_tensor: list[int] = []
+        prog_start: list[int] = []
+        for t, n in enumerate(numels):
+            starts = range(0, n, CHUNK)
+            prog_tensor.extend([t] * len(starts))
+            prog_start.extend(starts)
+        as_dev = lambda xs, dt: torch.tensor(xs, dtype=dt, device=device)  # noqa: E731
+        self.prog_tensor = as_dev(prog_tensor, torch.int32)
+        self.prog_start = as_dev(prog_start, torch.int64)
+        self.numel_of = as_dev(numels, torch.int64)
+        self.src_addr = torch.zeros(len(numels), dtype=torch.int64, device=device)
+        self.caller_index = torch.zeros(len(numels), dtype=torch.int32, device=device)
+        self._last_src: list[int] = []
+        self._last_index: list[int] = []
+        self._aligned = False
+        self.programs = len(prog_tensor)
+
+    def __call__(self, tensors: list[torch.Tensor], flag: torch.Tensor, caller_index: list[int]) -> None:
+        addrs = [t.data_ptr() for t in tensors]
+        if addrs != self._last_src:
+            for t in tensors:
+                if not t.is_contiguous() or t.dtype != self.dtype:
+                    raise ValueError(f"finite check needs contiguous {self.dtype} tensors, got {t.dtype} strides {t.stride()}")
+            self.src_addr.copy_(torch.tensor(addrs, dtype=torch.int64))
+            self._last_src = addrs
+            self._aligned = all(a % 16 == 0 for a in addrs)
+        if caller_index != self._last_index:
+            self.caller_index.copy_(torch.tensor(caller_index, dtype=torch.int32))
+            self._last_index = list(caller_index)
+        if self.programs == 0:
+            return
+        _scan_kernel[(self.programs,)](
+            self.prog_tensor,
+            self.prog_start,
+            self.numel_of,
+            self.src_addr,
+            self.caller_index,
+            flag,
+            EXP_MASK=_EXP_MASK[self.dtype],
+            WORD_BITS=self.dtype.itemsize * 8,
+            CHUNK=CHUNK,
+            BLOCK=self.block,
+            ALIGNED=self._aligned,
+            num_warps=4,
+        )

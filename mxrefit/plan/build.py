@@ -1,0 +1,237 @@
+"""The refit plan: computed once, then every step replays it.
+
+For every trainer tensor the plan records its format, its bucket, and for each encoded part
+(values, scales) the byte range in the bucket and the byte range in the engine parameter it
+lands in. Within a bucket, parts are laid out in destination order, so parts that are
+neighbours in an engine parameter (expert 3's up rows after its gate rows, expert 4 after
+expert 3) become one contiguous *run*: the engine applies a bucket as a handful of copies.
+
+Both sides build the plan from the same inputs (the trainer's source list, the engine's
+tables, the bucket size) with the same deterministic function and compare digests, so a plan
+that does not match the engine is refused before any weight is written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from dataclasses import dataclass, field
+
+import msgpack
+import torch
+
+from mxrefit.devices import ALIGN, align
+from mxrefit.errors import MxrefitError
+from mxrefit.formats import get_format
+from mxrefit.plan.dtypes import dtype_from_name, dtype_name
+from mxrefit.plan.types import Destination, ParamSpec, Target
+
+DEFAULT_BUCKET_BYTES = 512 << 20
+
+
+class PlanMismatch(MxrefitError, ValueError):
+    """Trainer tensors and engine tables disagree; lists every offending name."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        shown = "\n  ".join(problems[:40])
+        more = f"\n  ... and {len(problems) - 40} more" if len(problems) > 40 else ""
+        super().__init__(f"refit plan does not match the engine ({len(problems)} problems):\n  {shown}{more}")
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class Part:
+    """One encoded part of a source: bytes [offset, offset+nbytes) of its bucket."""
+
+    source: int
+    role: int
+    offset: int
+    target: Target
+
+
+@dataclass(frozen=True)
+class Run:
+    """Contiguous bytes of a bucket that land contiguously in one engine parameter."""
+
+    offset: int
+    param: str
+    param_offset: int
+    nbytes: int
+
+
+@dataclass
+class Bucket:
+    index: int
+    slot: int
+    nbytes: int = 0
+    sources: list[int] = field(default_factory=list)
+    parts: list[Part] = field(default_factory=list)
+    runs: list[Run] = field(default_factory=list)
+
+
+@dataclass
+class RefitPlan:
+    sources: list[SourceSpec]
+    formats: list[str]
+    buckets: list[Bucket]
+    bucket_bytes: int
+    slots: int
+    digest: str
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(r.nbytes for b in self.buckets for r in b.runs)
+
+
+def _check(sources: list[SourceSpec], params: dict[str, ParamSpec], destinations: dict[str, Destination]) -> None:
+    problems: list[str] = []
+    names = {s.name for s in sources}
+    counts = Counter(s.name for s in sources)
+    problems += [f"duplicate trainer tensor {n!r} ({c} times)" for n, c in counts.items() if c > 1]
+    problems += [f"unexpected tensor {n!r}: the engine has no destination for it" for n in sorted(names - destinations.keys())]
+    problems += [
+        f"missing tensor {n!r}: the engine expects it and the trainer did not send it"
+        for n in sorted(destinations.keys() - names)
+    ]
+    hint = _expert_layout_hint(names - destinations.keys(), destinations.keys() - names)
+    if hint:
+        problems.insert(0, hint)
+    for src in sources:
+        dest = destinations.get(src.name)
+        if dest is None:
+            continue
+        try:
+            fmt = get_format(dest.format)
+            fmt.check_source(src.name, src.shape, src.dtype)
+        except ValueError as err:
+            problems.append(str(err))
+            continue
+        want = fmt.parts(src.shape, dest.targets[0].dtype)
+        if len(want) != len(dest.targets):
+            problems.append(
+                f"tensor {src.name!r}: format {dest.format} has {len(want)} parts, the engine gives {len(dest.targets)} targets"
+            )
+            continue
+        for spec, tgt in zip(want, dest.targets):
+            if tuple(spec.shape) != tuple(tgt.shape) or spec.dtype != tgt.dtype:
+                problems.append(
+                    f"tensor {src.name!r} ({tuple(src.shape)}, {src.dtype}): its {spec.role} would be "
+                    f"{tuple(spec.shape)} {spec.dtype}, the engine's {tgt.param!r} takes {tuple(tgt.shape)} {tgt.dtype}"
+                )
+                break
+            if tgt.param not in params:
+                problems.append(f"tensor {src.name!r}: target parameter {tgt.param!r} does not exist in the engine")
+                break
+            if tgt.offset < 0 or tgt.offset + tgt.nbytes > params[tgt.param].nbytes:
+                problems.append(
+                    f"tensor {src.name!r}: target bytes [{tgt.offset}, {tgt.offset + tgt.nbytes}) outside {tgt.param!r}"
+                )
+                break
+    if problems:
+        raise PlanMismatch(problems)
+
+
+def _expert_layout_hint(unexpected: set[str], missing: set[str]) -> str | None:
+    """Name the usual cause when the two sides hold MoE experts in different layouts."""
+    grouped = lambda names: any(n.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")) for n in names)  # noqa: E731
+    per_expert = lambda names: any(".mlp.experts." in n and n.endswith("_proj.weight") for n in names)  # noqa: E731
+    if grouped(unexpected) and per_expert(missing):
+        return (
+            "expert layout: the trainer sends grouped expert slabs (mlp.experts.gate_up_proj/down_proj) but the "
+            "engine expects per-expert names; build the engine with experts='grouped'"
+        )
+    if per_expert(unexpected) and grouped(missing):
+        return (
+            "expert layout: the trainer sends per-expert names (mlp.experts.{e}.*_proj.weight) but the engine "
+            "expects grouped slabs; build the engine with experts='per_expert'"
+        )
+    return None
+
+
+def _layout(bucket: Bucket, sources_parts: dict[int, list[Target]], param_rank: dict[str, int]) -> None:
+    """Place the bucket's parts in destination order; merge neighbours into runs."""
+    entries = [(param_rank[t.param], t.offset, s, r, t) for s in bucket.sources for r, t in enumerate(sources_parts[s])]
+    entries.sort(key=lambda e: (e[0], e[1]))
+    offset = 0
+    prev: Run | None = None
+    for _, _, s, r, t in entries:
+        if prev is not None and prev.param == t.param and prev.param_offset + prev.nbytes == t.offset:
+            bucket.runs[-1] = Run(prev.offset, prev.param, prev.param_offset, prev.nbytes + t.nbytes)
+        else:
+            offset = align(offset)
+            bucket.runs.append(Run(offset, t.param, t.offset, t.nbytes))
+        bucket.parts.append(Part(s, r, offset, t))
+        offset += t.nbytes
+        prev = bucket.runs[-1]
+    bucket.nbytes = offset
+
+
+def build_plan(
+    sources: list[SourceSpec],
+    params: dict[str, ParamSpec],
+    destinations: dict[str, Destination],
+    *,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    slots: int = 2,
+) -> RefitPlan:
+    """Validate and lay out a refit; raises PlanMismatch listing every problem."""
+    _check(sources, params, destinations)
+    targets = {i: list(destinations[s.name].targets) for i, s in enumerate(sources)}
+    footprint = {i: sum(align(t.nbytes) for t in ts) for i, ts in targets.items()}
+    bucket_bytes = max(align(bucket_bytes), max(footprint.values(), default=ALIGN))
+    param_rank = {name: i for i, name in enumerate(params)}
+    buckets: list[Bucket] = []
+    used = bucket_bytes
+    for i in range(len(sources)):
+        if used + footprint[i] > bucket_bytes:
+            buckets.append(Bucket(index=len(buckets), slot=len(buckets) % slots))
+            used = 0
+        buckets[-1].sources.append(i)
+        used += footprint[i]
+    for b in buckets:
+        _layout(b, targets, param_rank)
+    formats = [destinations[s.name].format for s in sources]
+    digest = _digest(sources, formats, buckets, bucket_bytes, slots)
+    return RefitPlan(sources, formats, buckets, bucket_bytes, slots, digest)
+
+
+def _digest(sources: list[SourceSpec], formats: list[str], buckets: list[Bucket], bucket_bytes: int, slots: int) -> str:
+    h = hashlib.sha256()
+    h.update(msgpack.packb([bucket_bytes, slots, [[s.name, list(s.shape), dtype_name(s.dtype)] for s in sources], formats]))
+    for b in buckets:
+        h.update(msgpack.packb([b.slot, b.sources, [[r.offset, r.param, r.param_offset, r.nbytes] for r in b.runs]]))
+    return h.hexdigest()
+
+
+def sources_to_msg(sources: list[SourceSpec]) -> list:
+    return [[s.name, list(s.shape), dtype_name(s.dtype)] for s in sources]
+
+
+def sources_from_msg(msg: list) -> list[SourceSpec]:
+    return [SourceSpec(str(n), tuple(int(d) for d in shape), dtype_from_name(dt)) for n, shape, dt in msg]
+
+
+def tables_to_msg(params: dict[str, ParamSpec], destinations: dict[str, Destination]) -> dict:
+    return {
+        "params": [[p.name, list(p.shape), dtype_name(p.dtype)] for p in params.values()],
+        "destinations": [
+            [d.name, d.format, [[t.param, t.offset, list(t.shape), dtype_name(t.dtype)] for t in d.targets]]
+            for d in destinations.values()
+        ],
+    }
+
+
+def tables_from_msg(msg: dict) -> tuple[dict[str, ParamSpec], dict[str, Destination]]:
+    params = {n: ParamSpec(n, tuple(shape), dtype_from_name(dt)) for n, shape, dt in msg["params"]}
+    destinations = {
+        n: Destination(n, fmt, tuple(Target(p, int(off), tuple(shape), dtype_from_name(dt)) for p, off, shape, dt in tgts))
+        for n, fmt, tgts in msg["destinations"]
+    }
+    return params, destinations

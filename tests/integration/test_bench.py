@@ -1,0 +1,181 @@
+"""`mxrefit bench` end to end on CPU: both modes, the floor, the byte check, JSON and plot."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+
+def test_bench_cli_runs_and_engine_bytes_match(tmp_path):
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    run = subprocess.run(
+        [sys.executable, "-m", "mxrefit", "bench", "--steps", "2", "--no-progress", "--json", str(out), "--plot", str(png)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert set(result["modes"]) == {"baseline", "prequant"}
+    pre, base = result["modes"]["prequant"], result["modes"]["baseline"]
+    assert pre["check"]["mismatched"] == [] and pre["check"]["tensors_checked"] >= 10
+    assert pre["bytes"] < base["bytes"]  # MXFP8 values + scales are fewer bytes than BF16
+    assert len(pre["per_step"]) == 2 and result["floor_s"] > 0 and result["copy_GBps"] > 0
+    assert "identical" in run.stdout and png.stat().st_size > 1000
+
+
+def test_bench_with_grouped_expert_slabs(tmp_path):
+    out = tmp_path / "grouped.json"
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mxrefit",
+            "bench",
+            "--steps",
+            "1",
+            "--mode",
+            "prequant",
+            "--experts",
+            "grouped",
+            "--no-progress",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["modes"]["prequant"]["check"]["mismatched"] == []
+    assert result["tensors"] < 100  # slabs: far fewer tensors than per-expert names
+
+
+def test_bench_checks_modes_price_verify_and_transactions(tmp_path):
+    """`--mode checks`: plain, per-bucket integrity sums, and a transactional engine, each bit-exact."""
+    out = tmp_path / "checks.json"
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mxrefit",
+            "bench",
+            "--steps",
+            "1",
+            "--mode",
+            "checks",
+            "--post",
+            "none",
+            "--no-progress",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    modes = json.loads(out.read_text())["modes"]
+    assert list(modes) == ["prequant", "prequant-verify", "prequant-transactional"]
+    assert all(m["check"]["mismatched"] == [] for m in modes.values())
+    assert [m["verify"] for m in modes.values()] == [False, True, False]
+    assert [m["engine_transactional"] for m in modes.values()] == [False, False, True]
+
+
+def test_bench_fp8_block_engine_bytes_match(tmp_path):
+    """The FP8-block engine layout (Fp8Config: values + float32 scale_inv per 128x128 tile), no post-process:
+    both modes run, and the engine's bytes are fp8_block.quantize's (baseline quantizes on the engine)."""
+    out = tmp_path / "fp8.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "mxrefit", "bench", "--format", "fp8-block", "--steps", "2", "--no-progress", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert (result["format"], result["post"]) == ("fp8-block", "none")
+    pre, base = result["modes"]["prequant"], result["modes"]["baseline"]
+    assert pre["check"]["mismatched"] == [] and pre["check"]["tensors_checked"] >= 10
+    assert pre["check"]["kernel_layout_params_checked"] == 0
+    assert pre["bytes"] < base["bytes"] and len(pre["per_step"]) == 2
+    assert "fp8-block" in run.stdout and "identical" in run.stdout
+
+
+def test_bench_fp8_block_ue8m0_grouped(tmp_path):
+    out = tmp_path / "ue8m0.json"
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mxrefit",
+            "bench",
+            "--format",
+            "fp8-block-ue8m0",
+            "--steps",
+            "1",
+            "--mode",
+            "prequant",
+            "--experts",
+            "grouped",
+            "--no-progress",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["format"] == "fp8-block-ue8m0" and result["modes"]["prequant"]["check"]["mismatched"] == []
+
+
+def test_bench_refuses_trtllm_post_for_fp8_block():
+    run = subprocess.run(
+        [sys.executable, "-m", "mxrefit", "bench", "--format", "fp8-block", "--post", "trtllm", "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2
+    assert "post 'trtllm' is FlashInfer's TRT-LLM MXFP8 layout; fp8-block has no post-process here" in run.stderr
+
+
+def test_bench_bf16_engine_and_a_table_that_reads_in_80_columns(tmp_path):
+    """`--format bf16` (what most RL stacks serve): both modes move the BF16 bytes, the engine's
+    bytes are the trainer's, and the table fits 80 and 120 columns with no header or cell cut."""
+    from rich.console import Console
+
+    from mxrefit.bench.report import print_table
+
+    out = tmp_path / "bf16.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "mxrefit", "bench", "--format", "bf16", "--steps", "1", "--no-progress", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "COLUMNS": "80"},
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert (result["format"], result["post"]) == ("bf16", "none")
+    pre, base = result["modes"]["prequant"], result["modes"]["baseline"]
+    assert pre["check"]["mismatched"] == [] and pre["check"]["tensors_checked"] >= 10
+    assert base["bytes"] == result["trainer_bf16_bytes"] == result["engine_bytes"]
+    assert 0 <= pre["bytes"] - base["bytes"] < 512 * result["tensors"]  # only the runs' 512-byte alignment
+    assert "…" not in run.stdout and "quantize/pack, ms" in run.stdout and "identical" in run.stdout
+    # the widest table the CLI prints: four modes (--mode all / checks add two) and the floor
+    for name in ("prequant-buffers", "prequant-transactional"):
+        result["modes"][name] = {**pre, "transport": "buffers"}
+    for width in (80, 120):
+        console = Console(width=width, record=True, file=open(os.devnull, "w"))
+        print_table(result, console)
+        text = console.export_text()
+        assert "…" not in text, text
+        assert max(len(line) for line in text.splitlines()) <= width
+        for word in ("transactional", "buffers", "(direct)", "copy", "floor", "trainer peak+, GiB", "x copy floor"):
+            assert word in text, (word, text)

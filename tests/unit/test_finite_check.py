@@ -1,0 +1,101 @@
+"""The non-finite screen: torch path and the Triton kernel (under its CPU interpreter) agree."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mxrefit.formats.finite_check import FiniteCheck
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _tensors(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(7,), (33, 65), (3, 5, 129), (20000,), (1,)]
+    out = []
+    for i, s in enumerate(shapes):
+        dt = DTYPES[i % 3]
+        t = torch.randn(s, generator=g).to(dt)
+        out.append(t)
+    # extremes that are finite: the largest values, subnormals, -0
+    out.append(
+        torch.tensor([torch.finfo(torch.bfloat16).max, -torch.finfo(torch.bfloat16).max, 1e-40, -0.0], dtype=torch.bfloat16)
+    )
+    out.append(torch.tensor([65504.0, -65504.0, 6e-8, -0.0], dtype=torch.float16))
+    out.append(torch.tensor([3.4e38, -3.4e38, 1e-45, -0.0], dtype=torch.float32))
+    return out
+
+
+def _cases():
+    for bad_value in (float("nan"), float("inf"), float("-inf")):
+        for where in (0, 3, 6):
+            yield bad_value, where
+
+
+def _check_all(first_bad_fn):
+    clean = _tensors(0)
+    assert first_bad_fn(clean) is None
+    for bad_value, where in _cases():
+        ts = _tensors(0)
+        flat = ts[where].view(-1)
+        flat[flat.numel() // 2] = bad_value
+        assert first_bad_fn(ts) == where, (bad_value, where)
+        ts[7].view(-1)[0] = bad_value  # two bad tensors: the first is named
+        assert first_bad_fn(ts) == where
+
+
+def test_torch_path_finds_the_first_bad_tensor():
+    ts = _tensors(0)
+    check = FiniteCheck([(tuple(t.shape), t.dtype) for t in ts], "cpu")
+    assert check._groups == []  # no interpreter: the torch path
+    _check_all(check.first_bad)
+
+
+def test_a_norm_that_overflows_is_not_taken_for_a_non_finite_tensor():
+    big = torch.full((1000,), 3e38, dtype=torch.float32)
+    assert not torch.isfinite(torch.linalg.vector_norm(big))
+    check = FiniteCheck([((1000,), torch.float32)], "cpu")
+    assert check.first_bad([big]) is None
+
+
+_INTERPRETED = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from tests.unit.test_finite_check import _check_all, _tensors
+from mxrefit.formats.finite_check import FiniteCheck
+ts = _tensors(0)
+check = FiniteCheck([(tuple(t.shape), t.dtype) for t in ts], "cpu")
+assert len(check._groups) == 3 and check._rest == [], (check._groups, check._rest)
+_check_all(check.first_bad)
+print("ok")
+"""
+
+
+def test_triton_kernel_under_the_interpreter_agrees():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run(
+        [sys.executable, "-c", _INTERPRETED, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0 and "ok" in run.stdout, run.stdout[-2000:] + run.stderr[-3000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernel needs a GPU")
+def test_triton_kernel_on_the_gpu_agrees():
+    ts = [t.cuda() for t in _tensors(0)]
+    check = FiniteCheck([(tuple(t.shape), t.dtype) for t in ts], "cuda")
+    assert len(check._groups) == 3 and check._rest == []
+
+    def first_bad(tensors):
+        return check.first_bad([t.cuda() for t in tensors])
+
+    _check_all(first_bad)
