@@ -73,7 +73,7 @@ log = logging.getLogger("mxrefit.vllm")
 # per module and quant-method class in ``VllmEngine.process_by_kind``: where a refit's processing goes
 _PROFILE = os.environ.get("MXREFIT_PROFILE") == "1"
 # MXREFIT_LEARNED_LAYOUT=1: Marlin MXFP8 modules take a byte gather learned from vLLM's own processing
-# (engines/probed_layout.py) instead of re-running it; opt-in until it has run against a fresh vLLM on Hopper
+# (engine/probed_layout.py) instead of re-running it; opt-in until it has run against a fresh vLLM on Hopper
 _LEARNED_LAYOUT = os.environ.get("MXREFIT_LEARNED_LAYOUT") == "1"
 
 BACKEND = "mxrefit"  # the weight-transfer backend's name: WeightTransferConfig(backend="mxrefit")
@@ -492,7 +492,7 @@ def _needs_vllm_processing(module: torch.nn.Module) -> bool:
 
 def _marlin_mxfp8(module: torch.nn.Module) -> bool:
     """True for a ModelOpt MXFP8 linear on ``MarlinMxfp8LinearKernel`` or MoE on the Marlin
-    backend (Hopper): processing that is a pure byte permutation (``engines/probed_layout.py``)."""
+    backend (Hopper): processing that is a pure byte permutation (``engine/probed_layout.py``)."""
     qm = getattr(module, "quant_method", None)
     kind = type(qm).__name__
     if kind == "ModelOptMxFp8LinearMethod":
@@ -721,7 +721,7 @@ class VllmEngine(Engine):
 
     def _learned_layout(self, module: torch.nn.Module, staged: dict[str, torch.Tensor]) -> None:
         """Marlin MXFP8 processing as a byte gather learned from vLLM's own processing of the first
-        module of each signature (``engines/probed_layout.py``); a signature it refuses keeps vLLM's."""
+        module of each signature (``engine/probed_layout.py``); a signature it refuses keeps vLLM's."""
 
         def kernel() -> dict[str, torch.Tensor]:
             return {a: module._parameters[a].data for a in staged}
