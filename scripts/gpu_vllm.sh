@@ -15,6 +15,8 @@
 #   moehang  the Qwen3-MoE MXFP8 start, stacks of every process at a deadline (vllm_moe_hang.py), and the
 #            MoE MXFP8 oracle run with moe_backend=triton
 #   marlin   every Marlin MXFP8 engine (dense, MoE; extension and weight-transfer backend) + MoE BF16 through the backend
+#   learned  dense and MoE MXFP8 on Marlin with MXREFIT_LEARNED_LAYOUT=1 (learned byte gather), each against a fresh vLLM;
+#            the headline with it: MXREFIT_LEARNED_LAYOUT=1 HEADLINE_FMTS=mxfp8 bash scripts/gpu_vllm.sh run headline
 #   sleep    dense BF16 and MoE MXFP8 with enable_sleep_mode: sleep(level=1) / wake_up before every refit
 #   soak     MoE MXFP8, SOAK_REFITS (100) refits with generation between; worker resources sampled; oracle at the end
 #   headline Qwen3-30B-A3B shapes, dummy weights: mxrefit vs vLLM's own IPC path (vllm_headline.py)
@@ -66,6 +68,11 @@ if has marlin; then  # every Marlin engine (dense and MoE MXFP8) and the MoE wei
   oracle moe_mxfp8_ext --model moe --fmt mxfp8 --via ext --max-batched-tokens 512
   oracle moe_mxfp8_wt --model moe --fmt mxfp8 --via wt --max-batched-tokens 512
   oracle moe_bf16_wt --model moe --fmt bf16 --via wt
+fi
+if has learned; then  # the Marlin MXFP8 engines with MXREFIT_LEARNED_LAYOUT=1 (a byte gather learned from vLLM's processing)
+  MXREFIT_LEARNED_LAYOUT=1 oracle dense_mxfp8_learned --model dense --fmt mxfp8 --via ext
+  MXREFIT_LEARNED_LAYOUT=1 oracle moe_mxfp8_learned --model moe --fmt mxfp8 --via ext --max-batched-tokens 512
+  MXREFIT_LEARNED_LAYOUT=1 oracle moe_mxfp8_learned_wt --model moe --fmt mxfp8 --via wt --max-batched-tokens 512
 fi
 if has sleep; then  # vLLM's sleep mode: sleep(level=1) / wake_up before every refit
   oracle dense_bf16_sleep --model dense --fmt bf16 --via ext --sleep

@@ -69,12 +69,6 @@ from mxrefit.plan.shapes import EXPERT_LAYOUTS, ModelShape
 from mxrefit.plan.types import Destination, ParamSpec, Shard, Target
 
 log = logging.getLogger("mxrefit.vllm")
-# MXREFIT_PROFILE=1: time each module's post-load processing (a device sync around each), summed
-# per module and quant-method class in ``VllmEngine.process_by_kind``: where a refit's processing goes
-_PROFILE = os.environ.get("MXREFIT_PROFILE") == "1"
-# MXREFIT_LEARNED_LAYOUT=1: Marlin MXFP8 modules take a byte gather learned from vLLM's own processing
-# (engine/probed_layout.py) instead of re-running it; opt-in until it has run against a fresh vLLM on Hopper
-_LEARNED_LAYOUT = os.environ.get("MXREFIT_LEARNED_LAYOUT") == "1"
 
 BACKEND = "mxrefit"  # the weight-transfer backend's name: WeightTransferConfig(backend="mxrefit")
 _NOT_WEIGHTS = ("Attention", "MLAAttention", "RotaryEmbedding")  # modules whose params no trainer tensor feeds
@@ -490,6 +484,10 @@ def _needs_vllm_processing(module: torch.nn.Module) -> bool:
     return isinstance(getattr(module, "quant_method", None), QuantizeMethodBase)
 
 
+def _quantized(module: torch.nn.Module) -> bool:
+    return _needs_vllm_processing(module) and not type(module.quant_method).__name__.startswith("Unquantized")
+
+
 def _marlin_mxfp8(module: torch.nn.Module) -> bool:
     """True for a ModelOpt MXFP8 linear on ``MarlinMxfp8LinearKernel`` or MoE on the Marlin
     backend (Hopper): processing that is a pure byte permutation (``engine/probed_layout.py``)."""
@@ -555,8 +553,19 @@ class VllmEngine(Engine):
             verify = os.environ.get("MXREFIT_VERIFY") == "1" or verify_first_refit()
         self.verify = verify
         self._verified = False
+        # MXREFIT_PROFILE=1: each module's post-load processing timed (a device sync around each), summed
+        # per module and quant-method class in ``process_by_kind``: where a refit's processing goes
+        self._profile = os.environ.get("MXREFIT_PROFILE") == "1"
         self.process_by_kind: dict[str, float] = {}
-        self._layouts = LayoutCache() if _LEARNED_LAYOUT else None
+        # MXREFIT_LEARNED_LAYOUT=1: Marlin MXFP8 modules take a byte gather learned from vLLM's own processing
+        # (engine/probed_layout.py) instead of re-running it; opt-in until it has run against a fresh vLLM on
+        # Hopper. "quantized": every quantized module is probed (the probe's checks guard each signature, but
+        # state a kernel keeps outside tensors, a oneDNN handle say, is invisible to them): for tests and
+        # kernels known to keep none. Unquantized modules are never probed (the CPU build prepacks them).
+        learned = os.environ.get("MXREFIT_LEARNED_LAYOUT", "")
+        self._layouts = LayoutCache() if learned in ("1", "quantized") else None
+        self._learn_quantized = learned == "quantized"
+        self.learned_layouts: dict[str, str] = {}  # per signature: "learned (...)" or "refused: why"
         self._checkpoint_targets: dict[str, list[tuple[str, Target]]] = {}
         self._checkpoint: dict[str, torch.Tensor] | None = None
         self._refused: str | None = None
@@ -685,7 +694,7 @@ class VllmEngine(Engine):
         return module_post_load_hooks(self.model, refitted)
 
     def _process(self, unit: _ModuleUnit, tensors: dict[str, torch.Tensor]) -> None:
-        if not _PROFILE:
+        if not self._profile:
             self._process_unit(unit, tensors)
             return
         cuda = self._device.type == "cuda"
@@ -708,7 +717,7 @@ class VllmEngine(Engine):
         module = unit.module
         if _trtllm_moe(module):
             self._trtllm_fast_path(module, staged)
-        elif self._layouts is not None and _marlin_mxfp8(module):
+        elif self._layouts is not None and (_marlin_mxfp8(module) or self._learn_quantized and _quantized(module)):
             self._learned_layout(module, staged)
         elif _needs_vllm_processing(module):
             _process_with_vllm(module, staged)
@@ -747,12 +756,13 @@ class VllmEngine(Engine):
             watch=lambda: _state_beside_params(module, staged),
         )
         if new:
+            what = f"{type(qm).__name__} {' '.join(f'{a}{list(t.shape)}' for a, t in staged.items())}"
             if isinstance(result, str):
-                log.warning(
-                    "mxrefit: no learned layout for %s (%s): vLLM's processing runs every refit", type(qm).__name__, result
-                )
+                self.learned_layouts[what] = f"refused: {result}"
+                log.warning("mxrefit: no learned layout for %s (%s): vLLM's processing runs every refit", what, result)
             else:
-                log.info("mxrefit: learned %s's layout (%.1f MiB of index)", type(qm).__name__, result.index_bytes / 2**20)
+                self.learned_layouts[what] = f"learned ({result.index_bytes / 2**20:.1f} MiB of index)"
+                log.info("mxrefit: learned the layout of %s (%.1f MiB of index)", what, result.index_bytes / 2**20)
 
     def _trtllm_fast_path(self, module: torch.nn.Module, staged: dict[str, torch.Tensor]) -> None:
         gated = bool(getattr(module.moe_config, "is_act_and_mul", True))

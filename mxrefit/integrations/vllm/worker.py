@@ -84,6 +84,7 @@ class _WorkerRefit:
             "tp_rank": self.engine.tp.rank,
             "tp_size": self.engine.tp.size,
             "amx_safe": amx_safe(),
+            "learned_layouts": dict(self.engine.learned_layouts),
             **self.receiver.status(),
         }
 
