@@ -13,6 +13,10 @@ trainer's process and sets up vLLM's distributed state once per process): a real
   vLLM holds them (BF16, or MXFP8 round-tripped), log-probabilities within ``HF_LOGPROB_ATOL``.
 The control runs the same with refits disabled (vLLM keeps the step-0 weights) and must fail
 the refit, log-probability and reload checks.
+
+Server mode (``vllm_mode="server"``) runs in this process against a real vLLM server process
+(``vllm_server``) with the ``mxrefit`` weight-transfer backend: the same refit and
+log-probability checks, and the server's outputs against vLLM's own loader of the final weights.
 """
 
 from __future__ import annotations
@@ -134,9 +138,9 @@ def test_unsupported_settings_are_refused_before_vllm_starts(tmp_path):
         return GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", **kw)
 
     check_config(config(use_vllm=True, vllm_mode="colocate"), "mxfp8")
+    check_config(config(use_vllm=True, vllm_mode="server", vllm_tensor_parallel_size=2), "mxfp8")  # the server's own
     refused = {
         "use_vllm=True": config(),
-        "trl/generation/vllm_client.py": config(use_vllm=True, vllm_mode="server"),
         "vllm_tensor_parallel_size=2": config(use_vllm=True, vllm_mode="colocate", vllm_tensor_parallel_size=2),
         "vllm_enable_sleep_mode=True": config(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=True),
     }
@@ -280,10 +284,11 @@ def check_server_refits(result: dict, fmt: str) -> None:
 def test_grpo_trainer_refits_vllm_server_through_mxrefit(tmp_path, fmt):
     """Server mode: TRL's GRPOTrainer against a real vLLM server (CPU build) started with
     ``--weight-transfer-config '{"backend": "mxrefit"}'`` (MXFP8: from ``save_engine_checkpoint``).
-    Every step refits through vLLM's HTTP weight-transfer endpoints, and after the last one the
+    Every step refits through vLLM's HTTP weight-transfer endpoints, TRL's
+    ``sampling_logp_difference/max`` stays under ``MAX_LOGP_DIFF``, and after the last refit the
     server's greedy tokens and log-probabilities equal, exactly, those after vLLM's own loader read
     the trainer's final weights. The control (refits disabled, run first on the same server, which
-    then holds the step-0 weights) fails both."""
+    then holds the step-0 weights) fails all three."""
     require("vllm")
     require("trl")
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -301,7 +306,31 @@ def test_grpo_trainer_refits_vllm_server_through_mxrefit(tmp_path, fmt):
         control = train_on_server(url, fmt, str(tmp_path / "control"), "none")
         result = train_on_server(url, fmt, str(tmp_path / "run"), "mxrefit")
     check_server_refits(result, fmt)
+    check_logp(result, fmt)
     check_reload(result)
-    for check in (lambda r: check_server_refits(r, fmt), check_reload):
+    for check in (lambda r: check_server_refits(r, fmt), lambda r: check_logp(r, fmt), check_reload):
         with pytest.raises(AssertionError):
             check(control)
+
+
+def test_servers_mxrefit_cannot_refit_are_refused():
+    """What ``MxrefitVLLMClient.init_communicator`` checks in the server's ``/server_info``
+    before any weight moves (the test above runs it against a real server that passes)."""
+    from mxrefit.integrations.trl import TrlIntegrationError, check_server
+
+    def info(backend: str | None = "mxrefit", quantization: str | None = None) -> dict:
+        return {"weight_transfer_config": backend and {"backend": backend}, "model_config": {"quantization": quantization}}
+
+    url = "http://127.0.0.1:8000"
+    check_server(info(), 1, "bf16", url)
+    check_server(info(quantization="modelopt_mxfp8"), 1, "mxfp8", url)
+    refused = [
+        (info("nccl"), 1, "bf16", r"backend 'nccl', not 'mxrefit'.*--weight-transfer-config '\{\"backend\": \"mxrefit\"\}'"),
+        (info(None), 1, "bf16", "backend None, not 'mxrefit'"),
+        (info(), 2, "bf16", "has 2 workers"),
+        (info(), 1, "mxfp8", "serves quantization None.*save_engine_checkpoint"),
+        (info(quantization="modelopt_mxfp8"), 1, "bf16", "serves quantization 'modelopt_mxfp8'.*refit_format='mxfp8'"),
+    ]
+    for server, workers, fmt, why in refused:
+        with pytest.raises(TrlIntegrationError, match=why):
+            check_server(server, workers, fmt, url)
