@@ -1,4 +1,4 @@
-"""TRL's ``GRPOTrainer`` with its colocated vLLM refitted through mxrefit.
+"""TRL's ``GRPOTrainer`` with its vLLM (colocated, or a server) refitted through mxrefit.
 
 ``MxrefitGRPOTrainer`` is a drop-in ``trl.GRPOTrainer`` (``vllm_mode="colocate"``) whose vLLM
 runs mxrefit's worker extension and whose weight sync is one mxrefit refit of TRL's own
@@ -18,8 +18,9 @@ Server mode (``vllm_mode="server"``): the server runs mxrefit's weight-transfer 
 vLLM's NCCL transfer in ``init_communicator`` and broadcasts over it in
 ``update_named_params``; ``MxrefitVLLMClient`` replaces just those two (and
 ``close_communicator``) with mxrefit's trainer engine over vLLM's HTTP weight-sync client,
-so TRL's generation requests and its server-mode ``sync_weights`` stay TRL's. The refit's
-endpoint is a private Unix socket the trainer makes: trainer and server on one host.
+so TRL's generation requests and its server-mode ``sync_weights`` stay TRL's; ``check_server``
+refuses a server the refit cannot drive. The refit's endpoint is a private Unix socket the
+trainer makes: trainer and server on one host.
 """
 
 from __future__ import annotations
