@@ -288,7 +288,8 @@ def test_grpo_trainer_refits_vllm_server_through_mxrefit(tmp_path, fmt):
     ``sampling_logp_difference/max`` stays under ``MAX_LOGP_DIFF``, and after the last refit the
     server's greedy tokens and log-probabilities equal, exactly, those after vLLM's own loader read
     the trainer's final weights. The control (refits disabled, run first on the same server, which
-    then holds the step-0 weights) fails all three."""
+    then holds the step-0 weights) fails all three. A client asking for the other format is
+    refused from the server's own ``/server_info``."""
     require("vllm")
     require("trl")
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -303,6 +304,11 @@ def test_grpo_trainer_refits_vllm_server_through_mxrefit(tmp_path, fmt):
             AutoModelForCausalLM.from_pretrained(policy_path), AutoTokenizer.from_pretrained(policy_path), str(tmp_path / "mxfp8")
         )
     with vllm_server(engine_path, str(tmp_path / "server.log")) as url:
+        from mxrefit.integrations.trl import MxrefitVLLMClient, TrlIntegrationError
+
+        other = "mxfp8" if fmt == "bf16" else "bf16"  # the real server's /server_info, read by check_server
+        with pytest.raises(TrlIntegrationError, match=f"refit_format='{other}' but the vLLM server at {url} serves"):
+            MxrefitVLLMClient(base_url=url, refit_format=other).init_communicator("cpu")
         control = train_on_server(url, fmt, str(tmp_path / "control"), "none")
         result = train_on_server(url, fmt, str(tmp_path / "run"), "mxrefit")
     check_server_refits(result, fmt)
