@@ -99,7 +99,7 @@ def trainer_class(sync: str) -> type:
 
     class StaleGeneration(MxrefitVLLMGeneration):
         def sync_weights(self) -> None:  # refits disabled: the control
-            self.llm.reset_prefix_cache()
+            (self.vllm_client if self.mode == "server" else self.llm).reset_prefix_cache()
 
     class StaleTrainer(MxrefitGRPOTrainer):
         generation_class = StaleGeneration
@@ -176,21 +176,14 @@ def reload_reference(generation, fmt: str) -> None:
     generation.llm.reset_prefix_cache()
 
 
-def run(args: argparse.Namespace) -> dict:
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def grpo_config(args: argparse.Namespace, workdir: str, **vllm: object):
+    """The run's ``GRPOConfig``; ``vllm``: the mode and its settings (``vllm_mode="colocate"``, or
+    ``"server"`` with ``vllm_server_base_url``)."""
     from trl import GRPOConfig
 
-    workdir = args.workdir or tempfile.mkdtemp(prefix="trl-grpo-")
-    policy_path = os.path.join(workdir, "policy")
-    build_policy(policy_path, args.seed)
-    g = torch.Generator().manual_seed(args.seed)
-    prompt_ids = torch.randint(0, VOCAB - 2, (args.prompts, PROMPT_LEN), generator=g).tolist()
-    dataset = Dataset.from_dict({"prompt": [" ".join(f"t{i}" for i in p) for p in prompt_ids]})
-    config = GRPOConfig(
+    return GRPOConfig(
         output_dir=os.path.join(workdir, "out"),
         use_vllm=True,
-        vllm_mode="colocate",
         vllm_max_model_length=64,
         vllm_gpu_memory_utilization=0.05,
         per_device_train_batch_size=args.prompts * args.group,
@@ -210,7 +203,27 @@ def run(args: argparse.Namespace) -> dict:
         shuffle_dataset=False,
         disable_tqdm=True,
         generation_kwargs={"ignore_eos": True},
+        **vllm,
     )
+
+
+def task(args: argparse.Namespace):
+    """The prompts (token ids) and the dataset of their texts."""
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(args.seed)
+    prompt_ids = torch.randint(0, VOCAB - 2, (args.prompts, PROMPT_LEN), generator=g).tolist()
+    return prompt_ids, Dataset.from_dict({"prompt": [" ".join(f"t{i}" for i in p) for p in prompt_ids]})
+
+
+def run(args: argparse.Namespace) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    workdir = args.workdir or tempfile.mkdtemp(prefix="trl-grpo-")
+    policy_path = os.path.join(workdir, "policy")
+    build_policy(policy_path, args.seed)
+    prompt_ids, dataset = task(args)
+    config = grpo_config(args, workdir, vllm_mode="colocate")
     model = AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32)  # FP32 master weights
     tokenizer = AutoTokenizer.from_pretrained(policy_path)
     # enforce_eager: vLLM's CPU build would otherwise compile its graphs (about 40 s here)

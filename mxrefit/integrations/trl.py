@@ -1,4 +1,4 @@
-"""TRL's ``GRPOTrainer`` with its colocated vLLM refitted through mxrefit.
+"""TRL's ``GRPOTrainer`` with its vLLM (colocated, or a server) refitted through mxrefit.
 
 ``MxrefitGRPOTrainer`` is a drop-in ``trl.GRPOTrainer`` (``vllm_mode="colocate"``) whose vLLM
 runs mxrefit's worker extension and whose weight sync is one mxrefit refit of TRL's own
@@ -13,16 +13,24 @@ unchanged) with only the ``LLM`` arguments and ``sync_weights`` replaced — and
 trainer in the two attributes TRL's training loop reads (``vllm_generation``,
 ``_last_loaded_step``). The TRL versions this was checked against are pinned (``SUPPORTED_TRL``).
 
-Server mode is refused: TRL 1.16's ``VLLMClient.init_communicator`` (called from
-``VLLMGeneration._init_vllm``) always sets up vLLM's NCCL weight transfer, whatever backend
-the server runs (docs/integrations.md, "TRL").
+Server mode (``vllm_mode="server"``): the server runs mxrefit's weight-transfer backend
+(``--weight-transfer-config '{"backend": "mxrefit"}'``). TRL 1.16's ``VLLMClient`` always opens
+vLLM's NCCL transfer in ``init_communicator`` and broadcasts over it in
+``update_named_params``; ``MxrefitVLLMClient`` replaces just those two (and
+``close_communicator``) with mxrefit's trainer engine over vLLM's HTTP weight-sync client,
+so TRL's generation requests and its server-mode ``sync_weights`` stay TRL's; ``check_server``
+refuses a server the refit cannot drive. The refit's endpoint is a private Unix socket the
+trainer makes: trainer and server on one host.
 """
 
 from __future__ import annotations
 
+import atexit
 import copy
+import logging
 import os
 import time
+from collections.abc import Iterator
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -37,7 +45,15 @@ from mxrefit.source.sender import RefitReport, Sender
 SUPPORTED_TRL = ("1.16.",)
 TESTED_TRL = "1.16.0"
 FORMATS = ("bf16", "mxfp8")
+# the server's ``model_config.quantization`` for each refit format: BF16 serves an unquantized
+# checkpoint, MXFP8 one written by ``save_mxfp8_checkpoint`` (vLLM's ModelOpt MXFP8 loader)
+SERVER_QUANTIZATION = {"bf16": None, "mxfp8": "modelopt_mxfp8"}
+SERVER_COMMAND = (
+    'VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --weight-transfer-config \'{"backend": "mxrefit"}\' '
+    "--logprobs-mode processed_logprobs"
+)
 EXTENSION = "mxrefit.integrations.vllm.worker.RefitWorkerExtension"
+log = logging.getLogger("mxrefit.trl")
 
 
 class TrlIntegrationError(MxrefitError, RuntimeError):
@@ -72,14 +88,10 @@ def check_config(args: Any, refit_format: str) -> None:
         raise TrlIntegrationError(
             "MxrefitGRPOTrainer refits a vLLM engine: pass GRPOConfig(use_vllm=True, vllm_mode='colocate', ...)"
         )
-    if args.vllm_mode != "colocate":
-        raise TrlIntegrationError(
-            f"vllm_mode={args.vllm_mode!r} is not supported: TRL {TESTED_TRL}'s server client "
-            "(trl/generation/vllm_client.py, VLLMClient.init_communicator, called while GRPOTrainer is built) "
-            "always opens vLLM's NCCL weight transfer, so a server started with "
-            '--weight-transfer-config \'{"backend": "mxrefit"}\' cannot be driven from TRL; use '
-            "vllm_mode='colocate' (docs/integrations.md, TRL)"
-        )
+    if args.vllm_mode not in ("colocate", "server"):
+        raise TrlIntegrationError(f"vllm_mode must be 'colocate' or 'server', got {args.vllm_mode!r}")
+    if args.vllm_mode == "server":
+        return  # the server's own settings are checked against it when the client connects (check_server)
     if args.vllm_tensor_parallel_size != 1:
         raise TrlIntegrationError(
             f"vllm_tensor_parallel_size={args.vllm_tensor_parallel_size}: the colocated refit writes one whole "
@@ -93,6 +105,35 @@ def check_config(args: Any, refit_format: str) -> None:
         )
 
 
+def check_server(info: dict, world_size: int, refit_format: str, base_url: str) -> None:
+    """Refuse, naming the fix, a vLLM server (its ``/server_info`` config and worker count) that
+    mxrefit's server-mode refit cannot drive, before any weight moves."""
+    transfer = info.get("weight_transfer_config") or {}
+    if transfer.get("backend") != "mxrefit":
+        raise TrlIntegrationError(
+            f"the vLLM server at {base_url} runs weight-transfer backend {transfer.get('backend')!r}, not 'mxrefit': "
+            f"mxrefit refits it through its own backend. Restart it as {SERVER_COMMAND} "
+            "(the mxrefit package installed beside vLLM registers the backend); docs/integrations.md, TRL"
+        )
+    if world_size != 1:
+        raise TrlIntegrationError(
+            f"the vLLM server at {base_url} has {world_size} workers: the 'mxrefit' weight-transfer backend serves "
+            "one worker (tensor and data parallel size 1); larger engines are refitted through the worker extension "
+            "and mxrefit's broadcast transport (docs/vllm.md)"
+        )
+    quantization = (info.get("model_config") or {}).get("quantization")
+    if quantization != SERVER_QUANTIZATION[refit_format]:
+        fix = (
+            "start the server from save_engine_checkpoint(policy, tokenizer, path) (a ModelOpt MXFP8 checkpoint)"
+            if refit_format == "mxfp8"
+            else "pass refit_format='mxfp8' for a server started from save_engine_checkpoint, or serve the BF16 model"
+        )
+        raise TrlIntegrationError(
+            f"refit_format={refit_format!r} but the vLLM server at {base_url} serves quantization {quantization!r} "
+            f"(expected {SERVER_QUANTIZATION[refit_format]!r}): {fix}"
+        )
+
+
 def save_engine_checkpoint(model: torch.nn.Module, processing_class: Any, path: str) -> str:
     """The step-0 policy as a ModelOpt MXFP8 checkpoint (BF16 where the rules keep BF16), with
     the tokenizer beside it, so vLLM starts in the bytes every refit will send."""
@@ -101,20 +142,120 @@ def save_engine_checkpoint(model: torch.nn.Module, processing_class: Any, path: 
     return path
 
 
-def _classes() -> tuple[type, type]:
+class TrlStream:
+    """One weight sync of TRL's server client as a weight source for mxrefit's trainer engine:
+    the ``(name, dtype, shape)`` list TRL announces, then the tensors it streams.
+
+    Why not vLLM's ``ModuleSource``: TRL's walk (vLLM names, PEFT merged, ZeRO-3 gathered) is
+    handed to ``update_named_params`` afresh at every sync, and only there. Every sync must
+    announce the list of the first one, which the refit's plan was made from."""
+
+    def __init__(self) -> None:
+        self.announced: list[tuple[str, str, list[int]]] | None = None
+        self.tensors: Iterator[tuple[str, torch.Tensor]] | None = None
+
+    def load(self, metadata: list[tuple[str, str, list[int]]], tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        metadata = [(n, d, list(shape)) for n, d, shape in metadata]
+        if self.announced is None:
+            self.announced = metadata
+        elif metadata != self.announced:
+            raise TrlIntegrationError(
+                "update_named_params announced other tensors than the first weight sync, which the refit's plan was "
+                "made from: mxrefit refits the whole model every time (update_model_params, or TRL's sync_weights)"
+            )
+        self.tensors = tensors
+
+    def metadata(self) -> list[SourceSpec]:
+        assert self.announced is not None, "load() comes first"
+        return [SourceSpec(n, tuple(shape), getattr(torch, d)) for n, d, shape in self.announced]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        tensors, self.tensors = self.tensors, None  # one pass per sync
+        if tensors is None:
+            raise TrlIntegrationError("a weight sync's tensors are streamed once")
+        return tensors
+
+
+def _classes() -> tuple[type, type, type]:
     """The TRL subclasses, defined on first use so importing this module needs neither TRL nor vLLM."""
     check_trl_version()
     from accelerate.utils import is_peft_model
     from trl import GRPOTrainer
+    from trl.generation.vllm_client import VLLMClient
     from trl.generation.vllm_generation import VLLMGeneration
     from trl.trainer.utils import ensure_master_addr_port
     from vllm import LLM
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    from mxrefit.integrations.vllm.transfer import MxrefitTrainerEngine, MxrefitTrainerInitInfo
+
+    class MxrefitVLLMClient(VLLMClient):
+        """TRL's vLLM server client whose weight transfer is mxrefit's backend instead of NCCL.
+
+        Generation, ``reset_prefix_cache`` and everything else are TRL's. ``init_communicator``
+        checks the server (``check_server``) and hands mxrefit's endpoint (a private Unix
+        socket + session token) to the server's ``/init_weight_transfer_engine``;
+        ``update_named_params`` (and so ``update_model_params``) is one refit through
+        ``/start_weight_update``, ``/update_weights`` (served while mxrefit sends) and
+        ``/finish_weight_update``. Trainer and server must share a host. Every refit's
+        ``RefitReport`` is in ``reports``.
+        """
+
+        def __init__(self, *args: Any, refit_format: str = "bf16", **kwargs: Any):
+            self.refit_format = refit_format
+            self.engine: Any = None  # MxrefitTrainerEngine, from init_communicator
+            self.stream = TrlStream()
+            self.reports: list[RefitReport] = []
+            super().__init__(*args, **kwargs)
+
+        def init_communicator(self, device: torch.device | str | int = 0) -> None:
+            check_server(self.get_server_info(), self.get_world_size(), self.refit_format, self.base_url)
+            device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+            weight_sync = HTTPVLLMWeightSyncClient(self.base_url)
+            try:
+                self.engine = MxrefitTrainerEngine.trainer_init(
+                    MxrefitTrainerInitInfo(rank=0, device=str(device)), client=weight_sync, source=self.stream
+                )
+            except Exception as err:
+                raise TrlIntegrationError(
+                    f"the vLLM server at {self.base_url} could not open mxrefit's endpoint ({err}); it listens on a "
+                    "Unix socket the trainer makes, so trainer and server must run on the same host"
+                ) from err
+            atexit.register(self.close_communicator)
+
+        def update_named_params(
+            self, metadata: list[tuple[str, str, list[int]]], named_params: Iterator[tuple[str, torch.Tensor]]
+        ) -> None:
+            """One refit of the whole model from TRL's announced list and stream."""
+            if self.engine is None:
+                raise TrlIntegrationError("call init_communicator before updating the server's weights")
+            if self._updating_weights:
+                raise TrlIntegrationError(
+                    "weight_update() groups per-tensor updates; mxrefit refits the whole model in one update: "
+                    "call update_model_params or update_named_params with every tensor"
+                )
+            self.stream.load(metadata, named_params)
+            self.engine.send_weights()
+            self.reports.append(self.engine.last_report)
+
+        def close_communicator(self) -> None:
+            """Close the refit channel on both sides (the server's socket too, while the server is up)."""
+            engine, self.engine = self.engine, None
+            if engine is not None:
+                engine.shutdown()
+                try:
+                    engine.client.shutdown_weight_transfer_engine()
+                except Exception:  # noqa: BLE001 - at exit the server may be gone; its socket goes with it
+                    pass
 
     class MxrefitVLLMGeneration(VLLMGeneration):
         """TRL's generation backend with mxrefit's worker extension in vLLM and a refit as its weight sync."""
 
-        def __init__(self, *args: Any, engine_path: str, llm_kwargs: dict | None = None, **kwargs: Any):
+        def __init__(
+            self, *args: Any, engine_path: str, refit_format: str = "bf16", llm_kwargs: dict | None = None, **kwargs: Any
+        ):
             self.engine_path = engine_path
+            self.refit_format = refit_format
             self.llm_kwargs = llm_kwargs or {}
             self.sender: Sender | None = None
             self.specs: list[SourceSpec] | None = None
@@ -122,8 +263,21 @@ def _classes() -> tuple[type, type]:
             super().__init__(*args, **kwargs)
 
         def _init_vllm(self) -> None:
-            """TRL 1.16's colocated start-up (TP = 1), plus the worker extension and the engine's checkpoint."""
+            """TRL 1.16's colocated start-up (TP = 1), plus the worker extension and the engine's checkpoint;
+            or TRL's server connection through ``MxrefitVLLMClient``."""
             accelerator = self.accelerator
+            if self.mode == "server":
+                if accelerator.is_main_process:
+                    base_url = self.server_base_url or f"http://{self.server_host}:{self.server_port}"
+                    self.vllm_client = MxrefitVLLMClient(
+                        base_url=base_url,
+                        group_port=self.group_port,
+                        connection_timeout=self.server_timeout,
+                        refit_format=self.refit_format,
+                    )
+                    self.vllm_client.init_communicator(device=accelerator.device)
+                accelerator.wait_for_everyone()
+                return
             os.environ["RANK"] = str(accelerator.process_index)
             os.environ["LOCAL_RANK"] = str(accelerator.local_process_index)
             os.environ["WORLD_SIZE"] = str(accelerator.num_processes)
@@ -148,7 +302,16 @@ def _classes() -> tuple[type, type]:
 
         def sync_weights(self) -> None:
             """One refit of TRL's parameter walk (names as vLLM expects them, PEFT merged, one gathered
-            tensor at a time), served by the in-process worker while this thread sends it."""
+            tensor at a time), served by the in-process worker while this thread sends it; in server
+            mode TRL's own server sync, whose client refits through mxrefit."""
+            if self.mode == "server":
+                t0 = time.perf_counter()
+                super().sync_weights()
+                if self.accelerator.is_main_process:
+                    report = self.vllm_client.reports[-1]
+                    report.extra["sync_s"] = time.perf_counter() - t0
+                    self.reports.append(report)
+                return
             if self.sender is None:
                 info = self.llm.collective_rpc("mxrefit_init")[0]
                 self.sender = Sender(info["address"], bytes.fromhex(info["token"]), device=self.accelerator.device)
@@ -163,19 +326,26 @@ def _classes() -> tuple[type, type]:
 
         def close(self) -> None:
             """Close the refit channel on both sides (the worker's socket before vLLM stops)."""
+            if self.mode == "server":
+                if self.accelerator.is_main_process:
+                    self.vllm_client.close_communicator()
+                return
             if self.sender is not None:
                 self.sender.close()
                 self.llm.collective_rpc("mxrefit_close")
                 self.sender = None
 
     class MxrefitGRPOTrainer(GRPOTrainer):
-        """``trl.GRPOTrainer`` whose colocated vLLM is refitted by mxrefit at every weight sync.
+        """``trl.GRPOTrainer`` whose vLLM (colocated, or a server) is refitted by mxrefit at every weight sync.
 
         ``refit_format``: ``"bf16"`` (vLLM starts from the model's own path, as in TRL) or
         ``"mxfp8"`` (vLLM starts from ``save_mxfp8_checkpoint`` of the policy, written under
         ``engine_checkpoint_dir``, default ``<output_dir>/mxrefit-mxfp8``; refits quantize on the
         trainer). ``llm_kwargs``: further ``vllm.LLM`` arguments (e.g. ``enforce_eager=True``),
-        which TRL's own start-up has no way to take. Every refit's ``RefitReport`` is in
+        which TRL's own start-up has no way to take. With ``vllm_mode="server"`` the server
+        runs the ``mxrefit`` weight-transfer backend and was started from the model's path
+        (BF16) or from ``save_engine_checkpoint`` (MXFP8); ``engine_checkpoint_dir`` and
+        ``llm_kwargs`` do not apply there. Every refit's ``RefitReport`` is in
         ``refit_reports``; the logs get ``mxrefit/version``, ``mxrefit/refit_ms`` and
         ``mxrefit/bytes``. ``vllm_generation.close()`` closes the refit channel when done.
         """
@@ -200,38 +370,18 @@ def _classes() -> tuple[type, type]:
             finally:
                 args.use_vllm = True
             self.use_vllm = True
-            if self.accelerator.device.type != "cpu":
-                raise TrlIntegrationError(
-                    f"device {self.accelerator.device}: TRL's colocated vLLM runs in the trainer's own process, and "
-                    "mxrefit's device transports (CUDA IPC) cannot open memory in the process that exported it; "
-                    "until mxrefit has a same-process device path this integration runs on CPU only "
-                    "(docs/integrations.md, TRL)"
-                )
             self.refit_format = refit_format
             self._logged_reports = 0
+            self._last_loaded_step = -1  # TRL's tag: sync once per optimizer step
             policy = self.accelerator.unwrap_model(self.model)
-            engine_path = policy.name_or_path
-            if refit_format == "mxfp8":
-                if is_peft_model(policy):
-                    raise TrlIntegrationError("refit_format='mxfp8' with a PEFT model is not supported")
-                engine_path = engine_checkpoint_dir or os.path.join(args.output_dir, "mxrefit-mxfp8")
-                if self.accelerator.is_main_process:
-                    save_engine_checkpoint(policy, self.processing_class, engine_path)
-                self.accelerator.wait_for_everyone()
-            # the arguments GRPOTrainer.__init__ (TRL 1.16) gives VLLMGeneration in colocate mode
-            self.vllm_generation = self.generation_class(
+            # the arguments GRPOTrainer.__init__ (TRL 1.16) gives VLLMGeneration in either mode
+            trl_kwargs = dict(
                 model=self.model,
                 accelerator=self.accelerator,
                 processing_class=self.processing_class,
-                engine_path=engine_path,
-                llm_kwargs=llm_kwargs,
-                mode="colocate",
+                refit_format=refit_format,
                 structured_outputs_regex=args.vllm_structured_outputs_regex,
-                tensor_parallel_size=1,
-                gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                 max_model_length=args.vllm_max_model_length,
-                max_num_seqs=args.per_device_train_batch_size * args.steps_per_generation,
-                enable_sleep_mode=False,
                 model_impl=args.vllm_model_impl,
                 trust_remote_code=args.trust_remote_code,
                 repetition_penalty=self.repetition_penalty,
@@ -243,7 +393,51 @@ def _classes() -> tuple[type, type]:
                 logprobs=0,
                 generation_kwargs=args.generation_kwargs,
             )
-            self._last_loaded_step = -1  # TRL's tag: sync once per optimizer step
+            if args.vllm_mode == "server":
+                self.vllm_generation = self.generation_class(
+                    **trl_kwargs,
+                    engine_path=policy.name_or_path,
+                    mode="server",
+                    server_base_url=args.vllm_server_base_url,
+                    server_host=args.vllm_server_host,
+                    server_port=args.vllm_server_port,
+                    group_port=args.vllm_group_port,
+                    server_timeout=args.vllm_server_timeout,
+                )
+                if args.vllm_importance_sampling_correction and self.accelerator.is_main_process:
+                    # TRL's own check in server mode: the correction needs processed log-probabilities
+                    mode = self.vllm_generation.vllm_client.get_server_info()["model_config"]["logprobs_mode"]
+                    if mode != "processed_logprobs":
+                        log.warning(
+                            f"The vLLM server runs with --logprobs-mode {mode}, which biases TRL's importance sampling "
+                            "correction: restart it with --logprobs-mode processed_logprobs"
+                        )
+                return
+            if self.accelerator.device.type != "cpu":
+                raise TrlIntegrationError(
+                    f"device {self.accelerator.device}: TRL's colocated vLLM runs in the trainer's own process, and "
+                    "mxrefit's device transports (CUDA IPC) cannot open memory in the process that exported it; "
+                    "until mxrefit has a same-process device path this integration runs on CPU only "
+                    "(docs/integrations.md, TRL)"
+                )
+            engine_path = policy.name_or_path
+            if refit_format == "mxfp8":
+                if is_peft_model(policy):
+                    raise TrlIntegrationError("refit_format='mxfp8' with a PEFT model is not supported")
+                engine_path = engine_checkpoint_dir or os.path.join(args.output_dir, "mxrefit-mxfp8")
+                if self.accelerator.is_main_process:
+                    save_engine_checkpoint(policy, self.processing_class, engine_path)
+                self.accelerator.wait_for_everyone()
+            self.vllm_generation = self.generation_class(
+                **trl_kwargs,
+                engine_path=engine_path,
+                llm_kwargs=llm_kwargs,
+                mode="colocate",
+                tensor_parallel_size=1,
+                gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                max_num_seqs=args.per_device_train_batch_size * args.steps_per_generation,
+                enable_sleep_mode=False,
+            )
 
         @property
         def refit_reports(self) -> list[RefitReport]:
@@ -260,12 +454,12 @@ def _classes() -> tuple[type, type]:
                 self._logged_reports = len(self.refit_reports)
             super().log(logs, start_time)
 
-    return MxrefitVLLMGeneration, MxrefitGRPOTrainer
+    return MxrefitVLLMClient, MxrefitVLLMGeneration, MxrefitGRPOTrainer
 
 
 def __getattr__(name: str) -> type:
-    if name in ("MxrefitVLLMGeneration", "MxrefitGRPOTrainer"):
-        generation, trainer = _classes()
-        globals().update(MxrefitVLLMGeneration=generation, MxrefitGRPOTrainer=trainer)
+    if name in ("MxrefitVLLMClient", "MxrefitVLLMGeneration", "MxrefitGRPOTrainer"):
+        client, generation, trainer = _classes()
+        globals().update(MxrefitVLLMClient=client, MxrefitVLLMGeneration=generation, MxrefitGRPOTrainer=trainer)
         return globals()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

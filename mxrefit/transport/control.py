@@ -398,12 +398,18 @@ class ControlServer:
             raise
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
-        self._poller.register(self._strangers.monitor, zmq.POLLIN)
+        self._poller.register(self._watch.monitor, zmq.POLLIN)
+
+    @property
+    def _watch(self) -> _Strangers:
+        """The stranger watch; ``__init__`` sets it or closes the server and raises."""
+        assert self._strangers is not None
+        return self._strangers
 
     @property
     def dropped_connections(self) -> int:
         """Connections dropped for never authenticating (idle, or too many)."""
-        return self._strangers.dropped
+        return self._watch.dropped
 
     def _choose_address(self, address: str | None, tcp: bool, allow_remote: bool) -> str:
         if address is None:
@@ -432,8 +438,8 @@ class ControlServer:
         self._require_open()
         deadline = _Deadline(timeout_s)
         while True:
-            self._strangers.sweep()
-            waits = [w for w in (deadline.remaining_ms(), self._strangers.wake_ms()) if w is not None]
+            self._watch.sweep()
+            waits = [w for w in (deadline.remaining_ms(), self._watch.wake_ms()) if w is not None]
             ready = dict(self._poller.poll(min(waits) if waits else None))
             if self._sock in ready:
                 try:
@@ -449,7 +455,7 @@ class ControlServer:
                     except _Invalid as bad:
                         self._reject(identity, bad.why)
                     else:
-                        self._strangers.trusted(frames[1])
+                        self._watch.trusted(frames[1])
                         self._peer_identity, self._reply_to = identity, seq
                         return msg
             _check_deadline(deadline, self._peer, step)

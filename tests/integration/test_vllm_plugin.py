@@ -85,7 +85,7 @@ if all(out["registered"]):
         engine.send_weights()
         engine.shutdown()
         out[f"rank{rank}"] = {"calls": client.calls, "sender": engine.is_sender,
-                              "specs": [s.name for s in getattr(engine, "specs", [])]}
+                              "specs": [s.name for s in engine.specs or []]}
         if rank == 0:
             worker = WeightTransferEngineFactory._registry["mxrefit"]()(None, None, "cpu", None)
             out["worker_address_matches"] = worker.parse_init_info(client.init_info).address == client.init_info["address"]

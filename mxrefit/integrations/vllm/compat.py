@@ -108,7 +108,7 @@ def trainer_engine_kwargs(base: type, *, config: Any, is_sender: bool, rank: int
     add ``rank=0``. A required parameter mxrefit does not know is refused by name.
     """
     known = {"config": config, "is_sender": is_sender, "rank": rank}
-    params = inspect.signature(base.__init__).parameters
+    params = inspect.signature(base.__init__).parameters  # type: ignore[misc]  # the class's own __init__, on purpose
     out = {}
     for name, p in params.items():
         if name in ("self", "client", "source") or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
@@ -220,7 +220,7 @@ def replays_expert_post_load(quant_method: Any, built_before: bool) -> bool:
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
     return (
-        built_before and isinstance(quant_method, UnquantizedFusedMoEMethod) and _setup_runs_expert_post_load(type(quant_method))
+        built_before and isinstance(quant_method, UnquantizedFusedMoEMethod) and _setup_runs_expert_post_load(type(quant_method))  # type: ignore[arg-type]  # classes hash; typeshed's type[Any] does not say so
     )
 
 

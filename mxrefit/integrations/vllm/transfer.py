@@ -127,6 +127,7 @@ class MxrefitTrainerEngine(TrainerWeightTransferEngine):
     (one tensor materialized at a time) while the workers serve ``update_weights``."""
 
     init_info_cls = MxrefitTrainerInitInfo
+    specs: list[SourceSpec] | None = None  # read from the source at the first send_weights
 
     @classmethod
     def trainer_init(cls, init_info, *, client, source=None, config=None):
@@ -155,7 +156,7 @@ class MxrefitTrainerEngine(TrainerWeightTransferEngine):
             engine.sender = Sender(
                 address, token, device=init_info.device, bucket_bytes=init_info.bucket_bytes, timeout_s=init_info.timeout_s
             )
-            engine.specs = [SourceSpec(m.name, tuple(m.shape), m.dtype) for m in source_metadata(source)]
+        engine.specs = None  # read from the source at the first send: a source may learn its metadata only then
         return engine
 
     def send_weights(self) -> None:
@@ -163,6 +164,8 @@ class MxrefitTrainerEngine(TrainerWeightTransferEngine):
             for _ in source_tensors(self.source):  # non-senders still run the source's collectives
                 pass
             return
+        if self.specs is None:
+            self.specs = [SourceSpec(m.name, tuple(m.shape), m.dtype) for m in source_metadata(self.source)]
         self.client.start_weight_update()
         self.last_report = refit_while(
             lambda: self.client.update_weights({}), self.sender, source_tensors(self.source), specs=self.specs
