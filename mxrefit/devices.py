@@ -7,6 +7,10 @@ a sender built with ``device="cuda"`` would refuse tensors that live on ``cuda:0
 
 from __future__ import annotations
 
+import importlib
+import os
+from types import ModuleType
+
 import torch
 
 
@@ -29,6 +33,27 @@ def sync_current(device: torch.device) -> None:
     """Wait for the work queued on ``device``'s current stream (not the side streams); no-op off CUDA."""
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
+
+
+def triton_interpreting() -> bool:
+    """Triton's CPU interpreter is on (``TRITON_INTERPRET=1``, read by Triton at its first import)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_runs_on(device: torch.device) -> bool:
+    """Triton kernels run on CUDA, and on CPU under the interpreter (how the tests check them)."""
+    return device.type == "cuda" or (device.type == "cpu" and triton_interpreting())
+
+
+def triton_kernels(module: str, device: torch.device) -> ModuleType | None:
+    """The Triton kernel module ``module`` where its kernels run on ``device``, else None (the torch
+    path); Triton is optional, so a missing one is None too."""
+    if not triton_runs_on(device):
+        return None
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        return None
 
 
 def bind(device: torch.device | str) -> torch.device:

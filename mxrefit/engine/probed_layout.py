@@ -40,11 +40,12 @@ on CPU, a Marlin-like repack and negative controls.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 import torch
+
+from mxrefit.devices import triton_kernels
 
 Tensors = dict[str, torch.Tensor]
 VALIDATION_SEED = 20260605
@@ -75,20 +76,9 @@ def _nonempty(kernel: Tensors) -> Tensors:
     return {attr: t for attr, t in kernel.items() if t.numel()}
 
 
-def _kernels(device: torch.device):
-    """The Triton gather where it runs (CUDA, or Triton's CPU interpreter), else None (torch path)."""
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        return None
-    try:
-        from mxrefit.engine import _gather_triton
-    except ImportError:
-        return None
-    return _gather_triton
-
-
 def gather_rows(src: torch.Tensor, dst: torch.Tensor, index: torch.Tensor) -> None:
     """``dst[e, j] = src[e, index[j]]`` for uint8 (E, n_in) ``src`` and (E, n_out) ``dst``, in place."""
-    kernels = _kernels(dst.device)
+    kernels = triton_kernels("mxrefit.engine._gather_triton", dst.device)
     if kernels is not None:
         kernels.gather(src, dst, index)
     else:

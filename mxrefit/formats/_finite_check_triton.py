@@ -9,17 +9,11 @@ index of a bad tensor through ``atomic_min``.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 CHUNK = 16384
-
-
-def supported(device: torch.device) -> bool:
-    return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 @triton.jit

@@ -20,10 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
+from mxrefit.devices import triton_interpreting
 from mxrefit.formats._common import bad_flag, first_bad
-from mxrefit.formats._triton_common import LaunchTable, e4m3_rne, interpreting, supports, widen_to_f32_bits
+from mxrefit.formats._triton_common import LaunchTable, e4m3_rne, supports, widen_to_f32_bits
 
-__all__ = ["supports", "supports_block", "interpreting", "quantize_into", "QuantizeGroup"]
+__all__ = ["supports", "supports_block", "quantize_into", "QuantizeGroup"]
 
 _AMAX_FLOOR_BITS = int(torch.tensor(1e-4, dtype=torch.float32).view(torch.int32))
 
@@ -216,7 +217,7 @@ def quantize_into(
         BN=block[0],
         BK=block[1],
         UE8M0=use_ue8m0,
-        INT_ROUND=interpreting() if int_round is None else int_round,
+        INT_ROUND=triton_interpreting() if int_round is None else int_round,
         IS_BF16=x.dtype == torch.bfloat16,
         AMAX_FLOOR_BITS=_AMAX_FLOOR_BITS,
         num_warps=num_warps,
@@ -271,7 +272,7 @@ class QuantizeGroup:
             BN=self.block[0],
             BK=self.block[1],
             UE8M0=self.use_ue8m0,
-            INT_ROUND=interpreting() if int_round is None else int_round,
+            INT_ROUND=triton_interpreting() if int_round is None else int_round,
             IS_BF16=self.is_bf16,
             AMAX_FLOOR_BITS=_AMAX_FLOOR_BITS,
             ALIGNED=self._aligned,

@@ -21,10 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
+from mxrefit.devices import triton_interpreting
 from mxrefit.formats._common import bad_flag, first_bad
-from mxrefit.formats._triton_common import LaunchTable, e4m3_rne, interpreting, supports, widen_to_f32_bits
+from mxrefit.formats._triton_common import LaunchTable, e4m3_rne, supports, widen_to_f32_bits
 
-__all__ = ["supports", "interpreting", "quantize_into", "QuantizeGroup"]
+__all__ = ["supports", "quantize_into", "QuantizeGroup"]
 
 
 @triton.jit
@@ -129,7 +130,7 @@ def quantize_into(
     if n_blocks == 0:
         return None
     if int_round is None:
-        int_round = interpreting()
+        int_round = triton_interpreting()
     own_bad = bad is None
     flag = bad_flag(x.device) if bad is None else bad
     grid = (triton.cdiv(n_blocks, blocks_per_program),)
@@ -193,7 +194,7 @@ class QuantizeGroup:
             bad,
             MIN_BYTE=min_byte,
             NB=self.nb,
-            INT_ROUND=interpreting() if int_round is None else int_round,
+            INT_ROUND=triton_interpreting() if int_round is None else int_round,
             IS_BF16=self.is_bf16,
             ALIGNED=self._aligned,
             num_warps=self.num_warps,

@@ -10,23 +10,20 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+from mxrefit.devices import triton_runs_on
 
 
 def supports(x: torch.Tensor) -> bool:
     """The kernels take BF16/FP16 on CUDA, or on CPU under TRITON_INTERPRET=1."""
     if x.dtype not in (torch.bfloat16, torch.float16):
         return False
-    return x.is_cuda or (interpreting() and x.device.type == "cpu")
+    return triton_runs_on(x.device)
 
 
 @triton.jit

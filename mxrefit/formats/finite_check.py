@@ -15,17 +15,10 @@ from collections.abc import Sequence
 
 import torch
 
+from mxrefit.devices import triton_kernels
 from mxrefit.formats._common import NO_BAD, bad_flag, first_bad
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def _triton_module():
-    try:
-        from mxrefit.formats import _finite_check_triton
-    except ImportError:
-        return None
-    return _finite_check_triton
 
 
 class FiniteCheck:
@@ -35,10 +28,10 @@ class FiniteCheck:
     def __init__(self, specs: Sequence[tuple[tuple[int, ...], torch.dtype]], device: torch.device | str):
         self.device = torch.device(device)
         self.n = len(specs)
-        kernels = _triton_module()
+        kernels = triton_kernels("mxrefit.formats._finite_check_triton", self.device)
         self._groups = []
         self._rest = list(range(self.n))
-        if kernels is not None and kernels.supported(self.device):
+        if kernels is not None:
             for dtype in _KERNEL_DTYPES:
                 idx = [i for i, (_, dt) in enumerate(specs) if dt == dtype]
                 if idx:

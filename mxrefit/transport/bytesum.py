@@ -15,20 +15,10 @@ the check covers the transport and the engine's copies.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from mxrefit.devices import triton_kernels
 from mxrefit.transport.protocol import BYTESUM_MOD as MOD
-
-
-def _triton_module():
-    try:
-        from mxrefit.transport import _bytesum_triton
-    except ImportError:
-        return None
-    return _bytesum_triton
-
 
 WORDS_PER_ROW = 1 << 14  # the torch path sums rows of this many words in int64: each row sum stays below 2**63
 _WRAP = 1 << 64
@@ -51,11 +41,8 @@ class ByteSum:
                 raise ValueError("ByteSum needs flat contiguous uint8 views")
         self.views = views
         device = views[0].device if views else torch.device("cpu")
-        kernels = _triton_module()
-        interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
-        self._group = (
-            kernels.ByteSumGroup(views, device) if kernels is not None and (device.type == "cuda" or interpreted) else None
-        )
+        kernels = triton_kernels("mxrefit.transport._bytesum_triton", device)
+        self._group = kernels.ByteSumGroup(views, device) if kernels is not None else None
         self._weights = torch.empty(0, WORDS_PER_ROW, dtype=torch.int64, device=device)  # (k % MOD) + 1, by row
 
     def __call__(self) -> tuple[int, int]:

@@ -23,10 +23,10 @@ The formulas are checked on CPU against vLLM's own pure-torch ``swap_w13_to_w31`
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
+from mxrefit.devices import triton_kernels
 from mxrefit.engine.staging import StagedUnit
 from mxrefit.integrations.vllm.layout import EXPERTS, quantized_param_names, scale_param
 
@@ -89,24 +89,13 @@ def check_moe_alignment(name: str, rows: int, k: int) -> None:
         )
 
 
-def _kernels(device: torch.device):
-    """The Triton kernels where they run (CUDA, or Triton's CPU interpreter), else None (torch path)."""
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        return None
-    try:
-        from mxrefit.integrations.vllm import _trtllm_triton
-    except ImportError:
-        return None
-    return _trtllm_triton
-
-
 class MoeLayout:
     """Writes one MoE parameter (values or scales, [E, M, C]) into its TRT-LLM kernel layout."""
 
     def __init__(self, experts: int, rows: int, cols: int, gated: bool, device: torch.device, *, scales: bool):
         self.scales = scales
         self.perm = moe_row_permutation(rows, gated).to(device)
-        self.kernels = _kernels(torch.device(device))
+        self.kernels = triton_kernels("mxrefit.integrations.vllm._trtllm_triton", torch.device(device))
         if self.kernels is not None and not scales and cols % 8:
             self.kernels = None  # the row kernel moves 8-byte words
         self.out_per_expert = interleaved_size(rows, cols) if scales else rows * cols
@@ -134,7 +123,7 @@ class LinearScaleLayout:
     """``swizzle_mxfp8_scale`` as one scatter into a zeroed, padded flat kernel tensor."""
 
     def __init__(self, rows: int, cols: int, device: torch.device):
-        self.kernels = _kernels(torch.device(device))
+        self.kernels = triton_kernels("mxrefit.integrations.vllm._trtllm_triton", torch.device(device))
         self.scatter = interleave_index(rows, cols).to(device)
         self.out_bytes = interleaved_size(rows, cols)
 
