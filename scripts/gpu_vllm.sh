@@ -20,6 +20,8 @@
 #   sleep    dense BF16 and MoE MXFP8 with enable_sleep_mode: sleep(level=1) / wake_up before every refit
 #   soak     MoE MXFP8, SOAK_REFITS (100) refits with generation between; worker resources sampled; oracle at the end
 #   headline Qwen3-30B-A3B shapes, dummy weights: mxrefit vs vLLM's own IPC path (vllm_headline.py)
+#   trl      TRL 1.16 GRPOTrainer colocate, ~1.7B random Qwen3: TRL's own weight sync vs mxrefit's, per-step sync and
+#            step times (gpu_trl.py; TRL_FMTS=bf16,mxfp8 adds MXFP8); TRL + datasets wheels from .whl/ into /tmp/site4
 # Everything lands in /tmp/res, packed at the end into $OUT/vllm_h200_<parts>.tar.gz, plus $OUT/summary.txt.
 set -uo pipefail
 step=${1:?p1|p3|install|run}
@@ -100,11 +102,19 @@ if has headline; then
     --fmts ${HEADLINE_FMTS:-mxfp8,bf16} ${HEADLINE_ARGS:-} --json $RES/headline.json > $RES/headline.log 2>&1 &
   pids+=($!)
 fi
+if has trl; then  # TRL and its wheels (.whl/: trl, datasets, dill, multiprocess), once per machine
+  if [[ ! -d /tmp/site4/trl ]] && compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site4 .whl/*.whl
+  fi
+  PYTHONPATH=$PYTHONPATH:/tmp/site4 timeout ${TRL_TIMEOUT:-420} python3 scripts/gpu_trl.py --mode both --fmt ${TRL_FMTS:-bf16} \
+    --json $RES/trl.json > $RES/trl.log 2>&1 &
+  pids+=($!)
+fi
 for p in "${pids[@]}"; do wait $p; done
 {
-  for f in $RES/oracle_*.log $RES/moe_hang.out $RES/headline.log; do
+  for f in $RES/oracle_*.log $RES/moe_hang.out $RES/headline.log $RES/trl.log; do
     [[ -f $f ]] || continue
-    echo "== $(basename $f)"; grep -E "oracle:|moe_hang:|headline:|VARIANT-|Error|error:" $f | grep -v "^\s*$" | tail -14
+    echo "== $(basename $f)"; grep -E "oracle:|moe_hang:|headline:|trl_bench:|VARIANT-|Error|error:" $f | grep -v "^\s*$" | tail -14
   done
 } > $RES/summary.txt 2>&1
 cp $RES/summary.txt $OUT/summary.txt
