@@ -235,7 +235,7 @@ def soak(args, llm, sender, weights: dict, dump) -> dict:
             row = {
                 "refit": i,
                 **vllm_oracle.worker_stats(llm),
-                "trainer_rss_mb": _rss_mb(),
+                "trainer_rss_mb": vllm_oracle.rss_mb(),
                 "trainer_fds": len(os.listdir("/proc/self/fd")),
                 "trainer_allocated_mb": torch.cuda.memory_allocated() / 2**20,
             }
@@ -249,11 +249,6 @@ def soak(args, llm, sender, weights: dict, dump) -> dict:
     out["growth_from_refit_10"] = {k: last[k] - first[k] for k in first if isinstance(first[k], (int, float)) and k != "pid"}
     out["median_ms"] = statistics.median(out["ms"][1:])
     return out
-
-
-def _rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
 
 
 def run_format(args, fmt: str, weights: dict, result: dict, dump) -> None:

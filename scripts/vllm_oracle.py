@@ -201,6 +201,13 @@ def used_gb() -> float:
     return (total - free) / 1e9
 
 
+def rss_mb(pid: int | None = None) -> float:
+    """Resident set size of a process (this one by default), in MiB."""
+    import psutil  # a vLLM dependency
+
+    return psutil.Process(pid).memory_info().rss / 2**20
+
+
 def _stats_in_worker(worker) -> dict:
     """Runs inside vLLM's worker (``collective_rpc`` of a callable): what a leak would grow."""
     import gc
@@ -208,13 +215,11 @@ def _stats_in_worker(worker) -> dict:
     import torch
 
     pid = os.getpid()
-    with open(f"/proc/{pid}/status") as f:
-        rss_kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
     with open(f"/proc/{pid}/maps") as f:
         maps = f.read().splitlines()
     out = {
         "pid": pid,
-        "rss_mb": rss_kb / 1024,
+        "rss_mb": rss_mb(pid),
         "fds": len(os.listdir(f"/proc/{pid}/fd")),
         "maps": len(maps),
         "nvidia_maps": sum("/dev/nvidia" in m for m in maps),

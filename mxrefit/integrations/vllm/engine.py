@@ -348,31 +348,32 @@ def _process_with_vllm(module: torch.nn.Module, staged: dict[str, torch.Tensor],
         )
 
 
-def _vllm_objects(module: torch.nn.Module, depth: int = 8) -> Iterator[tuple[Any, str, Any]]:
-    """(owner, attribute, value) for every attribute of the module (its parameters, buffers and
-    submodules aside) and of the vLLM objects it reaches (quant method, kernels, quant configs)."""
+def _vllm_objects(module: torch.nn.Module, depth: int = 8) -> Iterator[tuple[tuple[str, ...], Any, str, Any]]:
+    """(path, owner, attribute, value) for every attribute of the module (its parameters, buffers
+    and submodules aside) and of the vLLM objects it reaches (quant method, kernels, quant
+    configs), ``path`` being the attribute names from the module to ``owner``."""
     seen: set[int] = set()
 
-    def visit(owner: Any, level: int) -> Iterator[tuple[Any, str, Any]]:
-        if id(owner) in seen or level > depth:
+    def visit(owner: Any, path: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], Any, str, Any]]:
+        if id(owner) in seen or len(path) > depth:
             return
         seen.add(id(owner))
         for attr, value in list(vars(owner).items()):
             if attr in ("_parameters", "_buffers", "_modules"):
                 continue
-            yield owner, attr, value
+            yield path, owner, attr, value
             if (
                 hasattr(value, "__dict__")
                 and not isinstance(value, (torch.nn.Module, torch.Tensor, type))
                 and type(value).__module__.startswith("vllm.")
             ):
-                yield from visit(value, level + 1)
+                yield from visit(value, (*path, attr))
 
-    yield from visit(module, 0)
+    yield from visit(module, ())
 
 
 def _rebind(module: torch.nn.Module, to: dict[int, torch.Tensor]) -> None:
-    for owner, attr, value in _vllm_objects(module):
+    for _, owner, attr, value in _vllm_objects(module):
         if isinstance(value, torch.Tensor) and id(value) in to:
             object.__setattr__(owner, attr, to[id(value)])
 
@@ -387,9 +388,9 @@ def _state_beside_params(module: torch.nn.Module, written: Iterable[str]) -> dic
         for n, p in module._parameters.items()
         if n in written and p is not None
     ]
-    others = [(module, n, t) for n, t in (*module._parameters.items(), *module._buffers.items()) if n not in written]
+    others = [((), module, n, t) for n, t in (*module._parameters.items(), *module._buffers.items()) if n not in written]
     out = {}
-    for owner, attr, value in (*others, *_vllm_objects(module)):
+    for _, owner, attr, value in (*others, *_vllm_objects(module)):
         if isinstance(value, torch.Tensor) and value.numel():
             ptr = value.untyped_storage().data_ptr()
             if not any(start <= ptr < start + size for start, size in spans):
@@ -403,25 +404,11 @@ def _plain_kernel_tensors(module: torch.nn.Module) -> dict[tuple[str, ...], torc
     hold, by attribute path from the module: Marlin's ``layer.workspace`` (MXFP8/FP8 linear and
     MoE), Humming's ``kernel.locks`` (linear, and its MoE experts'). Processing allocates them
     anew, sometimes with their owner; a CUDA graph captured before a refit still reads the old ones."""
-    out: dict[tuple[str, ...], torch.Tensor] = {}
-    seen: set[int] = set()
-
-    def visit(owner: Any, path: tuple[str, ...]) -> None:
-        if id(owner) in seen or len(path) > 3:
-            return
-        seen.add(id(owner))
-        for attr, value in vars(owner).items():
-            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
-                out[(*path, attr)] = value
-            elif (
-                hasattr(value, "__dict__")
-                and not isinstance(value, (torch.nn.Module, type))
-                and type(value).__module__.startswith("vllm.")
-            ):
-                visit(value, (*path, attr))
-
-    visit(module, ())
-    return out
+    return {
+        (*path, attr): value
+        for path, _, attr, value in _vllm_objects(module, depth=3)
+        if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter)
+    }
 
 
 def _keep_plain_kernel_tensors(module: torch.nn.Module, before: dict[tuple[str, ...], torch.Tensor]) -> None:
