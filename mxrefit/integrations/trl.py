@@ -413,13 +413,6 @@ def _classes() -> tuple[type, type, type]:
                             "correction: restart it with --logprobs-mode processed_logprobs"
                         )
                 return
-            if self.accelerator.device.type != "cpu":
-                raise TrlIntegrationError(
-                    f"device {self.accelerator.device}: TRL's colocated vLLM runs in the trainer's own process, and "
-                    "mxrefit's device transports (CUDA IPC) cannot open memory in the process that exported it; "
-                    "until mxrefit has a same-process device path this integration runs on CPU only "
-                    "(docs/integrations.md, TRL)"
-                )
             engine_path = policy.name_or_path
             if refit_format == "mxfp8":
                 if is_peft_model(policy):

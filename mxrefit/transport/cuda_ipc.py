@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -55,7 +56,7 @@ _FIELD_NAMES = (
 )
 _FIELD_TYPES: tuple[tuple[type, ...], ...] = ((int,), (bytes,), (int,), (int,), (bytes,), (int,), (bytes, type(None)), (bool,))
 _MAX_HANDLE_BYTES = 4096
-_OWNED_HERE: set[str] = set()
+_OWNED_HERE: dict[str, list[weakref.ref[torch.UntypedStorage]]] = {}  # this process's exports, by owner id
 _OPEN_HERE: set[tuple[bytes, int]] = set()
 
 
@@ -117,6 +118,34 @@ def _cuda_device(device: torch.device | str) -> torch.device:
     return resolve(dev)
 
 
+def own_here(owner_id: str, storages: list[torch.UntypedStorage]) -> None:
+    """Record this process's export ``owner_id`` (its storages, held weakly: torch keeps a
+    storage's Python object as long as the storage lives)."""
+    for key in [k for k, refs in _OWNED_HERE.items() if any(r() is None for r in refs)]:
+        del _OWNED_HERE[key]
+    _OWNED_HERE[owner_id] = [weakref.ref(s) for s in storages]
+
+
+def views_here(owner_id: str, sizes: list[int], device: torch.device | str | None) -> list[torch.Tensor]:
+    """This process's own exported storages, as flat uint8 tensors of ``sizes`` bytes.
+
+    Why: CUDA refuses to open an IPC handle in the process that made it, and a colocated trainer
+    and engine (TRL's colocate mode: vLLM's worker runs in the trainer's process) share one
+    process, where the exporter's tensors themselves are the way in.
+    """
+    views = []
+    for ref, size in zip(_OWNED_HERE[owner_id], sizes):
+        storage = ref()
+        if storage is None:
+            raise RuntimeError("the exported CUDA memory was freed in this process before it was opened")
+        if device is not None and _cuda_device(device) != storage.device:
+            raise ValueError(f"the exported memory lives on {storage.device}, not on {device}")
+        if storage.nbytes() < size:
+            raise ValueError(f"an exported storage has {storage.nbytes()} bytes, fewer than the {size} described")
+        views.append(torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (size,), (1,)))
+    return views
+
+
 def _device_uuid(index: int) -> str:
     """The GPU's UUID: device indices differ between processes with different CUDA_VISIBLE_DEVICES."""
     return str(torch.cuda.get_device_properties(index).uuid)
@@ -156,7 +185,7 @@ class CudaIpcBuffers(TransferBuffers):
             self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(count)]
         self._uuid = _device_uuid(self.device.index)
         self._owner_id = secrets.token_hex(16)
-        _OWNED_HERE.add(self._owner_id)
+        own_here(self._owner_id, [b.untyped_storage() for b in self.buffers])
 
     def describe(self) -> dict[str, Any]:
         """A fresh export for one opening process (see the module docstring)."""
@@ -175,7 +204,7 @@ class CudaIpcBuffers(TransferBuffers):
     def close(self) -> None:
         """Drop our tensors and reclaim blocks no peer maps any more."""
         self.buffers = []
-        _OWNED_HERE.discard(self._owner_id)
+        _OWNED_HERE.pop(self._owner_id, None)
         torch.cuda.ipc_collect()
 
 
@@ -231,6 +260,21 @@ class CudaIpcOpened(OpenedBuffers):
         self._keys = set()
 
 
+class SameProcessOpened(OpenedBuffers):
+    """Buffers this process exported itself, opened by this process (see ``views_here``)."""
+
+    kind = "cuda_ipc"
+
+    def __init__(self, buffers: list[torch.Tensor]) -> None:
+        self.buffers = buffers
+        self.nbytes = buffers[0].numel() if buffers else 0
+        self.device = buffers[0].device if buffers else torch.device("cuda")
+
+    def close(self) -> None:
+        """Drop the views; the owner keeps its buffers."""
+        self.buffers = []
+
+
 def _check_desc(desc: dict[str, Any]) -> tuple[list[list[Any]], int, str, str]:
     check_keys(desc, {"kind", "nbytes", "device_uuid", "owner_id", "exports"})
     nbytes = check_int(desc["nbytes"], "nbytes", 1, MAX_BUFFER_BYTES)
@@ -245,11 +289,11 @@ def _check_desc(desc: dict[str, Any]) -> tuple[list[list[Any]], int, str, str]:
     return exports, nbytes, uuid, owner_id
 
 
-def open_cuda_ipc(desc: dict[str, Any], device: torch.device | str | None = None) -> CudaIpcOpened:
+def open_cuda_ipc(desc: dict[str, Any], device: torch.device | str | None = None) -> OpenedBuffers:
     """Validate a ``cuda_ipc`` description and open its buffers (not in the owner's own process)."""
     exports, nbytes, uuid, owner_id = _check_desc(desc)
     if owner_id in _OWNED_HERE:
-        raise RuntimeError("CUDA IPC buffers cannot be opened by the process that created them; use its tensors")
+        return SameProcessOpened(views_here(owner_id, [nbytes] * len(exports), device))
     if not torch.cuda.is_available():
         raise RuntimeError("opening cuda_ipc buffers needs CUDA, but torch.cuda.is_available() is False here")
     return CudaIpcOpened(exports, nbytes, _local_index(uuid, device))

@@ -33,7 +33,16 @@ from typing import Any
 
 import torch
 
-from mxrefit.transport.cuda_ipc import _OWNED_HERE, _check_fields, _device_uuid, _local_index, _rebuild, ipc_shareable_allocations
+from mxrefit.transport.cuda_ipc import (
+    _OWNED_HERE,
+    _check_fields,
+    _device_uuid,
+    _local_index,
+    _rebuild,
+    ipc_shareable_allocations,
+    own_here,
+    views_here,
+)
 from mxrefit.transport.protocol import MAX_BUFFER_BYTES, MAX_BUFFERS, check_int, check_keys, check_list
 from mxrefit.transport.shm import _NAME, ShmBuffers, _map_segment, _tensor_over
 
@@ -145,7 +154,7 @@ def _describe_cuda(storages: list[torch.UntypedStorage]) -> dict[str, Any]:
         return {"device_uuid": "", "owner_id": "", "exports": []}
     device = storages[0].device
     owner_id = secrets.token_hex(16)
-    _OWNED_HERE.add(owner_id)
+    own_here(owner_id, storages)
     exports = []
     with torch.cuda.device(device):
         for s in storages:
@@ -257,8 +266,6 @@ def _open_cuda(desc: dict[str, Any], device: torch.device | str | None) -> Opene
     exports = desc["exports"]
     if not isinstance(exports, list) or len(exports) > MAX_BUFFERS * 64:
         raise ValueError("bad CUDA IPC export list")
-    if desc["owner_id"] in _OWNED_HERE:
-        raise RuntimeError("exported CUDA memory cannot be opened by the process that exported it; use its tensors")
     sizes = []
     for fields in exports:
         _check_fields(fields, 1)
@@ -266,6 +273,9 @@ def _open_cuda(desc: dict[str, Any], device: torch.device | str | None) -> Opene
     rows = _check_rows(desc["tensors"], sizes) if exports else []
     if not exports:
         return OpenedExports({}, [])
+    if desc["owner_id"] in _OWNED_HERE:  # a colocated trainer and engine: the exporter's own tensors
+        bases = views_here(desc["owner_id"], sizes, device)
+        return OpenedExports({name: bases[i][off : off + n] for name, i, off, n in rows}, bases)
     if not torch.cuda.is_available():
         raise RuntimeError("opening cuda_ipc exports needs CUDA, but torch.cuda.is_available() is False here")
     index = _local_index(desc["device_uuid"], device)

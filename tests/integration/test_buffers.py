@@ -16,6 +16,7 @@ import msgpack
 import pytest
 import torch
 
+from mxrefit.transport.direct import export_tensors, open_exports
 from mxrefit.transport.factory import create_buffers, default_kind, open_buffers
 
 SPAWN = multiprocessing.get_context("spawn")
@@ -387,7 +388,24 @@ def test_cuda_ipc_one_description_opens_once_per_process():
 
 
 @needs_cuda
-def test_cuda_ipc_refuses_to_open_in_the_owner_process():
-    with create_buffers("cuda_ipc", 1, 4096, "cuda") as bufs:
-        with pytest.raises(RuntimeError, match="process that created them"):
-            open_buffers(bufs.describe())
+def test_cuda_ipc_opened_in_the_owner_process_is_its_own_memory():
+    """CUDA cannot open an IPC handle where it was made; a colocated trainer and engine (TRL's
+    colocate mode) get the owner's own buffers instead, so a write on one side is seen on the other."""
+    with create_buffers("cuda_ipc", 2, 4096, "cuda") as bufs:
+        bufs.buffers[0].zero_()
+        with open_buffers(bufs.describe()) as opened:
+            assert [b.data_ptr() for b in opened.buffers] == [b.data_ptr() for b in bufs.buffers]
+            opened.buffers[1][:16] = 7
+            assert bufs.buffers[1][:16].eq(7).all() and bufs.buffers[0].eq(0).all()
+
+
+@needs_cuda
+def test_direct_export_opened_in_the_exporting_process_writes_the_engine_tensors():
+    engine = {"a": torch.zeros(64, dtype=torch.bfloat16, device="cuda"), "b": torch.zeros(8, 8, device="cuda")}
+    opened = open_exports(export_tensors(engine))
+    opened.tensors["b"].view(torch.float32).fill_(2.5)
+    assert engine["b"].eq(2.5).all() and engine["a"].eq(0).all()
+    desc = export_tensors({"c": torch.ones(4, device="cuda")})  # its only tensor is freed before the open
+    torch.cuda.synchronize()
+    with pytest.raises(RuntimeError, match="freed in this process"):
+        open_exports(desc)
