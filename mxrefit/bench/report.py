@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
 
@@ -13,8 +15,8 @@ def _ms(s: float) -> str:
 
 
 # (row label with its unit, key in a mode's summary, formatter); a phase per row and a mode per
-# column, so the width grows with the number of modes, not of phases: four modes and the floor
-# read in an 80-column terminal without cut headers
+# column, so the width grows with the number of modes, not of phases; where the modes, the peers
+# and the floor are still too wide for the terminal, `tables` splits the columns
 _ROWS = (
     ("finite check, ms", "check_s", _ms),
     ("quantize/pack, ms", "pack_s", _ms),
@@ -29,43 +31,81 @@ _ROWS = (
 )
 
 
-def _header(mode: str, transport: str | None) -> str:
-    """A mode name broken at its hyphens, so a long name takes lines, not width."""
+# what the short row labels stand for, printed under the table so that no label needs the width
+LEGEND = (
+    "peak+: peak device memory above what that process held before its first refit; "
+    "x copy floor: total / floor; floor: the trainer's BF16 bytes read and the engine's bytes "
+    "written once, at the device's copy rate measured in this run"
+)
+
+
+def _header(mode: str, note: str | None) -> str:
+    """A column name broken at its hyphens, so a long name takes lines, not width."""
     name = mode.replace("-", "-\n")
-    return f"{name}\n({transport})" if transport else name
+    return f"{name}\n({note})" if note else name
 
 
-def print_table(result: dict[str, Any], console: Console | None = None) -> None:
-    console = console or Console()
-    title = (
-        f"mxrefit bench: {result['model']}, {result.get('format', 'mxfp8')}, post-process "
-        f"{result.get('post', 'trtllm')}, {result['device_name']}, {result['tensors']:,} tensors, "
-        f"median of {result['steps']} after {result['warmup']} warm-up"
-    )
+def _cell(fmt, m: dict[str, Any], key: str) -> str:
+    """A figure, or a dash where a column has no such phase (a peer's own path)."""
+    return fmt(m[key]) if key in m else "—"
+
+
+def columns(result: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any]]]:
+    """Every timed column of a result, mxrefit's modes then the peers: name -> (header, summary)."""
+    out = {mode: (_header(mode, m.get("transport")), m) for mode, m in result["modes"].items()}
+    out.update({name: (_header(name, "peer"), p) for name, p in result.get("peers", {}).items()})
+    return out
+
+
+def _table(result: dict[str, Any], cols: list[tuple[str, dict[str, Any]]], title: str | None) -> Table:
+    """The row labels, the given columns and the copy floor."""
     table = Table(title=title)
     table.add_column("per refit", no_wrap=True)
-    modes = result["modes"]
-    for mode, m in modes.items():
-        table.add_column(_header(mode, m.get("transport")), justify="right", no_wrap=True)
+    for header, _ in cols:
+        table.add_column(header, justify="right", no_wrap=True)
     table.add_column("copy\nfloor", justify="right", no_wrap=True)
     floor = {
         "total_s": _ms(result["floor_s"]),
         "bytes": f"{(result['trainer_bf16_bytes'] + result['engine_bytes']) / 1e6:,.1f}",
-        "GBps": f"{result['copy_GBps']:.1f}",
+        "GBps": f"{result['copy_GBps']:,.1f}",
     }
     for label, key, fmt in _ROWS:
-        table.add_row(label, *(fmt(m.get(key, 0)) for m in modes.values()), floor.get(key, ""))
-    table.add_row("x copy floor", *(f"{m['total_s'] / result['floor_s']:,.1f}" for m in modes.values()), "1.0")
-    console.print(table)
-    console.print(
-        "floor: the trainer's BF16 bytes read and the engine's bytes written once, at the device's copy rate measured in this run"
+        table.add_row(label, *(_cell(fmt, m, key) for _, m in cols), floor.get(key, ""))
+    table.add_row("x copy floor", *(f"{m['total_s'] / result['floor_s']:,.1f}" for _, m in cols), "1.0")
+    return table
+
+
+def tables(result: dict[str, Any], width: int) -> list[Table]:
+    """The table, split into as few tables as fit ``width`` columns (each with the row labels and
+    the floor) where all columns at their natural width would not: rich would cut them instead."""
+    title: str | None = (
+        f"mxrefit bench: {result['model']}, {result.get('format', 'mxfp8')}, post-process "
+        f"{result.get('post', 'trtllm')}, {result['device_name']}, {result['tensors']:,} tensors, "
+        f"median of {result['steps']} after {result['warmup']} warm-up"
     )
+    probe = Console(width=10_000, file=io.StringIO())
+    out: list[Table] = []
+    group: list[tuple[str, dict[str, Any]]] = []
+    for col in columns(result).values():
+        wider = _table(result, [*group, col], None)
+        if group and Measurement.get(probe, probe.options, wider).maximum > width:
+            out.append(_table(result, group, title))
+            title, group = None, []
+        group.append(col)
+    out.append(_table(result, group, title))
+    return out
+
+
+def print_table(result: dict[str, Any], console: Console | None = None) -> None:
+    console = console or Console()
+    for table in tables(result, console.width):
+        console.print(table)
+    console.print(LEGEND)
     if "speedup" in result:
-        console.print(
-            f"prequant is {result['speedup']:.1f}x faster than baseline; "
-            f"{result['modes']['prequant']['total_s'] / result['floor_s']:.1f}x the copy floor"
-        )
-    for mode, m in modes.items():
+        pre, speedup = result["modes"]["prequant"]["total_s"] / result["floor_s"], result["speedup"]
+        versus = f"{speedup:.1f}x faster than" if speedup >= 1 else f"{1 / speedup:.1f}x slower than"
+        console.print(f"prequant is {versus} baseline; {pre:.1f}x the copy floor")
+    for mode, m in result["modes"].items():
         check = m.get("check")
         if check:
             verdict = "identical" if not check["mismatched"] else f"DIFFERENT for {check['mismatched']}"
