@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
+from mxrefit.bench.sweep import FLOOR, totals, traffic
+
 
 def _ms(s: float) -> str:
     return f"{s * 1e3:,.1f}"
+
+
+def _rate(gbps: float) -> str:
+    """GB/s with three significant figures below 100 (a CPU's slope is a fraction of one)."""
+    return f"{gbps:,.0f}" if gbps >= 100 else f"{gbps:.3g}"
 
 
 # (row label with its unit, key in a mode's summary, formatter); a phase per row and a mode per
@@ -75,25 +83,31 @@ def _table(result: dict[str, Any], cols: list[tuple[str, dict[str, Any]]], title
     return table
 
 
+def _fit_width(build: Callable[[list[Any], str | None], Table], cols: list[Any], title: str, width: int) -> list[Table]:
+    """``build(cols, title)`` as one table, or split into as few as fit ``width`` columns (each
+    keeping the fixed columns ``build`` adds) where all at their natural width would not: rich
+    would cut them instead."""
+    probe = Console(width=10_000, file=io.StringIO())
+    out: list[Table] = []
+    group: list[Any] = []
+    head: str | None = title
+    for col in cols:
+        if group and Measurement.get(probe, probe.options, build([*group, col], None)).maximum > width:
+            out.append(build(group, head))
+            head, group = None, []
+        group.append(col)
+    out.append(build(group, head))
+    return out
+
+
 def tables(result: dict[str, Any], width: int) -> list[Table]:
-    """The table, split into as few tables as fit ``width`` columns (each with the row labels and
-    the floor) where all columns at their natural width would not: rich would cut them instead."""
-    title: str | None = (
+    """The bench table for a terminal ``width`` columns wide (split by columns where needed)."""
+    title = (
         f"mxrefit bench: {result['model']}, {result.get('format', 'mxfp8')}, post-process "
         f"{result.get('post', 'trtllm')}, {result['device_name']}, {result['tensors']:,} tensors, "
         f"median of {result['steps']} after {result['warmup']} warm-up"
     )
-    probe = Console(width=10_000, file=io.StringIO())
-    out: list[Table] = []
-    group: list[tuple[str, dict[str, Any]]] = []
-    for col in columns(result).values():
-        wider = _table(result, [*group, col], None)
-        if group and Measurement.get(probe, probe.options, wider).maximum > width:
-            out.append(_table(result, group, title))
-            title, group = None, []
-        group.append(col)
-    out.append(_table(result, group, title))
-    return out
+    return _fit_width(lambda cols, head: _table(result, cols, head), list(columns(result).values()), title, width)
 
 
 def print_table(result: dict[str, Any], console: Console | None = None) -> None:
@@ -116,6 +130,64 @@ def print_table(result: dict[str, Any], console: Console | None = None) -> None:
             )
 
 
+SWEEP_LEGEND = (
+    "traffic: the trainer's BF16 bytes read + the engine's bytes written (the floor's bytes); "
+    "per column, least squares over the layer counts: time = intercept + traffic / slope; "
+    "intercept: what a refit costs beyond its bytes (Python, launches, round trips)"
+)
+
+
+def _sweep_table(sweep: dict[str, Any], names: list[str], title: str | None) -> Table:
+    """A row per layer count: its traffic and each column's median total per refit."""
+    headers = {name: header for name, (header, _) in columns(sweep["runs"][0]).items()}
+    headers[FLOOR] = "copy\nfloor"
+    table = Table(title=title)
+    table.add_column("layers", justify="right", no_wrap=True)
+    table.add_column("traffic\nMB", justify="right", no_wrap=True)
+    for name in [*names, FLOOR]:
+        table.add_column(f"{headers[name]}\nms", justify="right", no_wrap=True)
+    for n, run in zip(sweep["layers"], sweep["runs"]):
+        t = totals(run)
+        table.add_row(str(n), f"{traffic(run) / 1e6:,.1f}", *(_ms(t[name]) for name in [*names, FLOOR]))
+    return table
+
+
+def print_sweep(sweep: dict[str, Any], console: Console | None = None) -> None:
+    """The sweep's times per layer count, then each column's line: intercept, slope, R²."""
+    console = console or Console()
+    first = sweep["runs"][0]
+    title = (
+        f"mxrefit bench --sweep-layers: {first['model'].split('@')[0]}, {first.get('format', 'mxfp8')}, "
+        f"post-process {first.get('post', 'trtllm')}, {first['device_name']}, total per refit, median of "
+        f"{first['steps']} after {first['warmup']} warm-up"
+    )
+    names = [name for name in sweep["fits"] if name != FLOOR]
+    for table in _fit_width(lambda cols, head: _sweep_table(sweep, cols, head), names, title, console.width):
+        console.print(table)
+    fits = Table(title="time = intercept + traffic / slope, least squares")
+    fits.add_column("column", no_wrap=True)
+    fits.add_column("intercept\nms", justify="right", no_wrap=True)
+    fits.add_column("slope\nGB/s", justify="right", no_wrap=True)
+    fits.add_column("R²", justify="right", no_wrap=True)
+    fits.add_column("points", justify="right", no_wrap=True)
+    for name, f in sweep["fits"].items():
+        fits.add_row(name, _ms(f["intercept_s"]), _rate(f["GBps"]), f"{f['r2']:.4f}", str(f["points"]))
+    console.print(fits)
+    console.print(SWEEP_LEGEND)
+    bad = [
+        f"{n} layers, {mode}: {m['check']['mismatched']}"
+        for n, run in zip(sweep["layers"], sweep["runs"])
+        for mode, m in {**run["modes"], **run.get("peers", {})}.items()
+        if m.get("check", {}).get("mismatched")
+    ]
+    checked = sum(1 for run in sweep["runs"] for m in {**run["modes"], **run.get("peers", {})}.values() if m.get("check"))
+    console.print(
+        f"engine bytes vs the trainer's: DIFFERENT for {bad}"
+        if bad
+        else f"engine bytes as expected in every checked mode of every layer count ({checked} checks)"
+    )
+
+
 def plot(result: dict[str, Any], path: str) -> None:
     import matplotlib
 
@@ -135,5 +207,30 @@ def plot(result: dict[str, Any], path: str) -> None:
     ax.set_xlabel("ms per refit (median)")
     ax.set_title(f"{result['model']} ({result.get('format', 'mxfp8')}) on {result['device_name']}")
     ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def plot_sweep(sweep: dict[str, Any], path: str) -> None:
+    """Each column's totals against traffic, with its fitted line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [traffic(run) / 1e9 for run in sweep["runs"]]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, f in sweep["fits"].items():
+        ys = [totals(run)[name] * 1e3 for run in sweep["runs"]]
+        (points,) = ax.plot(xs, ys, "o", label=f"{name}: {f['intercept_s'] * 1e3:.2f} ms + GB / {f['GBps']:,.1f} GB/s")
+        line = [(f["intercept_s"] + f["slope_s_per_byte"] * x * 1e9) * 1e3 for x in xs]
+        ax.plot(xs, line, "-", color=points.get_color())
+    ax.set_xlabel("traffic per refit, GB (trainer BF16 read + engine written)")
+    ax.set_ylabel("ms per refit (median)")
+    first = sweep["runs"][0]
+    ax.set_title(
+        f"{first['model'].split('@')[0]} ({first.get('format', 'mxfp8')}) on {first['device_name']}, layers {sweep['layers']}"
+    )
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
