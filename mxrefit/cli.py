@@ -7,8 +7,9 @@ import json
 import sys
 from typing import Any
 
+from mxrefit.bench.peer import PEERS, unavailable
 from mxrefit.bench.report import plot, plot_sweep, print_sweep, print_table
-from mxrefit.bench.run import ALL_MODES, CHECK_MODES, FORMATS, MODES, bench, resolve_post
+from mxrefit.bench.run import ALL_MODES, CHECK_MODES, FORMATS, MODES, bench, pick_device, resolve_post
 from mxrefit.bench.sweep import parse_layers, sweep
 from mxrefit.plan.shapes import BUILTIN
 
@@ -25,7 +26,11 @@ def _bench(args: argparse.Namespace) -> int:
         layers = parse_layers(args.sweep_layers) if args.sweep_layers else None
         if layers and args.layers is not None:
             raise ValueError("--layers and --sweep-layers both set the layer count: give one")
-    except ValueError as err:
+        for peer in args.peer:
+            why = unavailable(peer, pick_device(args.device))
+            if why:
+                raise ValueError(why)
+    except (ValueError, RuntimeError) as err:
         print(f"mxrefit bench: {err}", file=sys.stderr)
         return 2
     options: dict[str, Any] = dict(
@@ -39,6 +44,7 @@ def _bench(args: argparse.Namespace) -> int:
         post=post,
         progress=not args.no_progress,
         fmt=args.format,
+        peers=tuple(args.peer),
     )
     if layers:
         result = sweep(layers, **options)
@@ -102,6 +108,15 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N,N,...",
         help="run the bench at each of these layer counts (e.g. 1,2,4,8) and fit, per mode, time = intercept + "
         "traffic / slope by least squares: slope in GB/s, intercept in ms (the per-refit overhead), R²",
+    )
+    b.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        choices=PEERS,
+        help="also run another project's refit on the same tensors in the same run, printed beside mxrefit and the "
+        "floor with its memory and a bit-exactness check: checkpoint-engine (MoonshotAI; CUDA only, pip install "
+        "'mxrefit[peer]')",
     )
     b.add_argument("--experts", default="per_expert", choices=("per_expert", "grouped"), help="trainer's expert tensor layout")
     b.add_argument("--json", metavar="PATH", help="write every figure as one JSON object")

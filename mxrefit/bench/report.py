@@ -79,7 +79,7 @@ def _table(result: dict[str, Any], cols: list[tuple[str, dict[str, Any]]], title
     }
     for label, key, fmt in _ROWS:
         table.add_row(label, *(_cell(fmt, m, key) for _, m in cols), floor.get(key, ""))
-    table.add_row("x copy floor", *(f"{m['total_s'] / result['floor_s']:,.1f}" for _, m in cols), "1.0")
+    table.add_row("x copy floor", *(f"{m['total_s'] / m.get('floor_s', result['floor_s']):,.1f}" for _, m in cols), "1.0")
     return table
 
 
@@ -128,6 +128,18 @@ def print_table(result: dict[str, Any], console: Console | None = None) -> None:
                 f"({check['parts_checked']} parts of {check['tensors_checked']} tensors, one per family; "
                 f"{check.get('kernel_layout_params_checked', 0)} params in the kernel layout)"
             )
+    for name, p in result.get("peers", {}).items():
+        check = p["check"]
+        verdict = (
+            "identical" if not check["mismatched"] else f"DIFFERENT for {len(check['mismatched'])}: {check['mismatched'][:5]}"
+        )
+        console.print(
+            f"{name} (its own path, BF16 into a BF16 engine): register {_ms(p['register_s'])} ms (GPU -> pinned host), "
+            f"gather_metas {_ms(p['gather_s'])}, update {_ms(p['update_s'])}, unregister {_ms(p['unregister_s'])}; "
+            f"{p['pinned_host_bytes'] / 2**30:.2f} GiB pinned host memory; its x copy floor is against its own floor, "
+            f"BF16 read + BF16 written: {_ms(p['floor_s'])} ms; received tensors vs the trainer's (sha256): {verdict} "
+            f"({check['tensors_checked']:,} tensors)"
+        )
 
 
 SWEEP_LEGEND = (

@@ -223,3 +223,15 @@ def test_bench_refuses_a_sweep_of_one_layer_count():
         timeout=120,
     )
     assert run.returncode == 2 and "--sweep-layers needs at least two distinct layer counts" in run.stderr
+
+
+def test_bench_peer_checkpoint_engine_refuses_on_cpu_without_a_traceback():
+    run = subprocess.run(
+        [sys.executable, "-m", "mxrefit", "bench", "--device", "cpu", "--peer", "checkpoint-engine", "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    assert "--peer checkpoint-engine cannot run here: it needs CUDA" in run.stderr
+    assert "this run's device is cpu" in run.stderr
