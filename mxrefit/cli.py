@@ -5,20 +5,35 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
-from mxrefit.bench.report import plot, print_table
-from mxrefit.bench.run import ALL_MODES, CHECK_MODES, FORMATS, MODES, bench, resolve_post
+from mxrefit.bench.peer import PEERS, unavailable
+from mxrefit.bench.report import plot, plot_sweep, print_sweep, print_table
+from mxrefit.bench.run import ALL_MODES, CHECK_MODES, FORMATS, MODES, bench, pick_device, resolve_post
+from mxrefit.bench.sweep import parse_layers, sweep
 from mxrefit.plan.shapes import BUILTIN
+
+
+def _mismatched(result: dict[str, Any]) -> bool:
+    """Whether any checked column of one bench result found engine bytes unlike the trainer's."""
+    return any(r.get("check", {}).get("mismatched") for r in [*result["modes"].values(), *result.get("peers", {}).values()])
 
 
 def _bench(args: argparse.Namespace) -> int:
     modes = {"both": MODES, "all": ALL_MODES, "checks": CHECK_MODES}.get(args.mode, (args.mode,))
     try:
         post = resolve_post(args.format, args.post)
-    except ValueError as err:
+        layers = parse_layers(args.sweep_layers) if args.sweep_layers else None
+        if layers and args.layers is not None:
+            raise ValueError("--layers and --sweep-layers both set the layer count: give one")
+        for peer in args.peer:
+            why = unavailable(peer, pick_device(args.device))
+            if why:
+                raise ValueError(why)
+    except (ValueError, RuntimeError) as err:
         print(f"mxrefit bench: {err}", file=sys.stderr)
         return 2
-    result = bench(
+    options: dict[str, Any] = dict(
         model=args.model,
         device=args.device,
         steps=args.steps,
@@ -27,18 +42,24 @@ def _bench(args: argparse.Namespace) -> int:
         bucket_bytes=args.bucket_mb << 20,
         experts=args.experts,
         post=post,
-        layers=args.layers,
         progress=not args.no_progress,
         fmt=args.format,
+        peers=tuple(args.peer),
     )
-    print_table(result)
+    if layers:
+        result = sweep(layers, **options)
+        print_sweep(result)
+        runs = result["runs"]
+    else:
+        result = bench(layers=args.layers, **options)
+        print_table(result)
+        runs = [result]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     if args.plot:
-        plot(result, args.plot)
-    bad = [m for m, r in result["modes"].items() if r.get("check", {}).get("mismatched")]
-    return 1 if bad else 0
+        (plot_sweep if layers else plot)(result, args.plot)
+    return 1 if any(_mismatched(r) for r in runs) else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,6 +103,21 @@ def main(argv: list[str] | None = None) -> int:
         "default) or none (FP8-block's default and only choice)",
     )
     b.add_argument("--layers", type=int, default=None, help="override the model's layer count (size sweeps)")
+    b.add_argument(
+        "--sweep-layers",
+        metavar="N,N,...",
+        help="run the bench at each of these layer counts (e.g. 1,2,4,8) and fit, per mode, time = intercept + "
+        "traffic / slope by least squares: slope in GB/s, intercept in ms (the per-refit overhead), R²",
+    )
+    b.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        choices=PEERS,
+        help="also run another project's refit on the same tensors in the same run, printed beside mxrefit and the "
+        "floor with its memory and a bit-exactness check: checkpoint-engine (MoonshotAI; CUDA only, pip install "
+        "'mxrefit[peer]')",
+    )
     b.add_argument("--experts", default="per_expert", choices=("per_expert", "grouped"), help="trainer's expert tensor layout")
     b.add_argument("--json", metavar="PATH", help="write every figure as one JSON object")
     b.add_argument("--plot", metavar="PATH", help="write a PNG of the phase breakdown (needs matplotlib)")

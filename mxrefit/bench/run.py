@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from mxrefit.bench.baseline import BaselineReceiver, BaselineSender, quantize_as
+from mxrefit.bench.peer import run_checkpoint_engine, unavailable
 from mxrefit.devices import bind, resolve
 from mxrefit.engine.layout import LayoutEngine
 from mxrefit.engine.receiver import Receiver
@@ -238,6 +239,17 @@ def _sample_check(
     }
 
 
+def perturb(weights: dict[str, torch.Tensor], step: int) -> None:
+    """A new "optimizer step" before refit ``step``: every weight scaled up or down by 2^-7."""
+    with torch.no_grad():
+        torch._foreach_mul_(list(weights.values()), 1.0 + 2.0**-7 * (1 if step % 2 else -1))
+
+
+def pick_device(device: str) -> torch.device:
+    """``"auto"``: CUDA where torch sees it, else the CPU; otherwise the device named."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else torch.device(device)
+
+
 def run_mode(
     mode: str,
     shape: ModelShape,
@@ -282,10 +294,8 @@ def run_mode(
             )
             sender.plan([SourceSpec(n, tuple(t.shape), t.dtype) for n, t in weights.items()])
         reports = []
-        tensors = list(weights.values())
         for step in range(warmup + steps):
-            with torch.no_grad():
-                torch._foreach_mul_(tensors, 1.0 + 2.0**-7 * (1 if step % 2 else -1))  # a new "optimizer step"
+            perturb(weights, step)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             report = sender.refit(weights)
@@ -341,13 +351,19 @@ def bench(
     layers: int | None = None,
     progress: bool = True,
     fmt: str = "mxfp8",
+    peers: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Run the benchmark and return one JSON-able object with every figure. ``fmt``: the engine's
-    quantized format (``FORMATS``); ``post`` None picks its default (``resolve_post``)."""
+    quantized format (``FORMATS``); ``post`` None picks its default (``resolve_post``); ``peers``:
+    other projects' refit paths run on the same tensors after mxrefit's modes (``peer.PEERS``)."""
     from rich.progress import Progress
 
     post = resolve_post(fmt, post)
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else torch.device(device)
+    dev = pick_device(device)
+    for peer in peers:
+        why = unavailable(peer, dev)
+        if why:
+            raise RuntimeError(why)
     dev = resolve(dev)
     shape = resolve_shape(model, layers)
     specs = [SourceSpec(n, tuple(s), dt) for n, s, dt in hf_tensor_specs(shape, experts=experts)]
@@ -374,6 +390,20 @@ def bench(
                 fmt=fmt,
                 on_step=lambda t=task: bar.advance(t),
             )
+        peer_results = {}
+        for peer in peers:
+            task = bar.add_task(f"{peer} refits", total=warmup + steps)
+            peer_results[peer] = run_checkpoint_engine(
+                weights,
+                dev,
+                steps=steps,
+                warmup=warmup,
+                timeout_s=timeout_s,
+                step=lambda i: perturb(weights, i),
+                on_step=lambda t=task: bar.advance(t),
+            )
+            # it moves the BF16 tensors into a BF16 engine whatever the format: its own floor
+            peer_results[peer]["floor_s"] = 2 * trainer_bytes / bw
     out: dict[str, Any] = {
         "model": shape.name,
         "device": str(dev),
@@ -393,6 +423,8 @@ def bench(
     }
     for mode, res in results.items():
         out["modes"][mode] = {**summarize(res), **{k: v for k, v in res.items() if k != "steps"}, "per_step": res["steps"]}
+    if peer_results:
+        out["peers"] = peer_results
     if "baseline" in out["modes"] and "prequant" in out["modes"]:
         out["speedup"] = out["modes"]["baseline"]["total_s"] / out["modes"]["prequant"]["total_s"]
     return out

@@ -179,3 +179,59 @@ def test_bench_bf16_engine_and_a_table_that_reads_in_80_columns(tmp_path):
         assert max(len(line) for line in text.splitlines()) <= width
         for word in ("transactional", "buffers", "(direct)", "copy", "floor", "trainer peak+, GiB", "x copy floor"):
             assert word in text, (word, text)
+
+
+def test_bench_layer_sweep_fits_a_line_per_mode(tmp_path):
+    """`--sweep-layers 1,2`: one bench per layer count, more traffic at more layers, a line per
+    column (prequant and the floor) with its intercept and slope, engine bytes checked in each run."""
+    out = tmp_path / "sweep.json"
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mxrefit",
+            "bench",
+            "--sweep-layers",
+            "1,2",
+            "--mode",
+            "prequant",
+            "--steps",
+            "1",
+            "--no-progress",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "COLUMNS": "80"},
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["layers"] == [1, 2] and [r["model"] for r in result["runs"]] == ["tiny-qwen3-moe@1l", "tiny-qwen3-moe@2l"]
+    assert result["runs"][0]["engine_bytes"] < result["runs"][1]["engine_bytes"]
+    assert set(result["fits"]) == {"prequant", "copy floor"} and result["fits"]["prequant"]["points"] == 2
+    assert all(r["modes"]["prequant"]["check"]["mismatched"] == [] for r in result["runs"])
+    assert "intercept" in run.stdout and "R²" in run.stdout and "…" not in run.stdout
+
+
+def test_bench_refuses_a_sweep_of_one_layer_count():
+    run = subprocess.run(
+        [sys.executable, "-m", "mxrefit", "bench", "--sweep-layers", "4", "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2 and "--sweep-layers needs at least two distinct layer counts" in run.stderr
+
+
+def test_bench_peer_checkpoint_engine_refuses_on_cpu_without_a_traceback():
+    run = subprocess.run(
+        [sys.executable, "-m", "mxrefit", "bench", "--device", "cpu", "--peer", "checkpoint-engine", "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    assert "--peer checkpoint-engine cannot run here: it needs CUDA" in run.stderr
+    assert "this run's device is cpu" in run.stderr

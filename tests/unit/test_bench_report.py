@@ -1,0 +1,124 @@
+"""The bench's table reads in 80-120 column terminals: no header, unit or figure cut (issue 23)."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from rich.console import Console
+
+from mxrefit.bench.report import _ROWS, columns, print_table, tables
+
+
+def _summary(total_ms: float, transport: str | None = None) -> dict:
+    out = {
+        "check_s": 0.0212,
+        "pack_s": total_ms * 0.6e-3,
+        "wait_s": 0.016,
+        "engine_s": 7.7391,
+        "post_s": 2.1163,
+        "total_s": total_ms * 1e-3,
+        "bytes": 61_060_000_000,
+        "GBps": 61.06 / total_ms * 1e3,
+        "trainer_peak_extra_bytes": 2 << 30,
+        "engine_peak_extra_bytes": 30 << 30,
+        "check": {"mismatched": [], "parts_checked": 18, "tensors_checked": 15, "kernel_layout_params_checked": 6},
+    }
+    if transport:
+        out["transport"] = transport
+    return out
+
+
+def widest_result() -> dict:
+    """The widest table the CLI prints, with figures as wide as qwen3-30b-a3b's: three modes of
+    `--mode all`, a fourth of `--mode checks`, the checkpoint-engine peer, and the floor."""
+    return {
+        "model": "qwen3-30b-a3b",
+        "format": "mxfp8",
+        "post": "trtllm",
+        "device_name": "NVIDIA H200",
+        "tensors": 18_867,
+        "steps": 3,
+        "warmup": 1,
+        "floor_s": 0.0219,
+        "trainer_bf16_bytes": 61_060_000_000,
+        "engine_bytes": 32_100_000_000,
+        "copy_GBps": 4258.0,
+        "speedup": 117.5,
+        "modes": {
+            "baseline": _summary(10_353.0),
+            "prequant": _summary(88.1, "direct"),
+            "prequant-buffers": _summary(122.9, "cuda_ipc"),
+            "prequant-transactional": _summary(103.5, "direct"),
+        },
+        "peers": {
+            "checkpoint-engine": {
+                "total_s": 2.590,
+                "bytes": 31_130_000_000,
+                "GBps": 12.0,
+                "trainer_peak_extra_bytes": 24 << 30,
+                "engine_peak_extra_bytes": 0,
+                "register_s": 1.347,
+                "gather_s": 0.261,
+                "update_s": 0.950,
+                "unregister_s": 0.01,
+                "pinned_host_bytes": 29 << 30,
+                "floor_s": 0.0146,
+                "check": {"mismatched": [], "tensors_checked": 9435},
+            }
+        },
+    }
+
+
+def render(result: dict, width: int) -> str:
+    console = Console(width=width, record=True, file=io.StringIO(), color_system=None)
+    print_table(result, console)
+    return console.export_text()
+
+
+def header_words(result: dict) -> list[str]:
+    """Every line of every column header, every row label (each carries its unit) and the floor."""
+    words = ["per refit", "copy", "floor", "x copy floor", *(label for label, _, _ in _ROWS)]
+    for header, _ in columns(result).values():
+        words += header.splitlines()
+    return words
+
+
+def unreadable(text: str, words: list[str], width: int) -> list[str]:
+    """What a reader at ``width`` columns would miss: cut text, a header word not whole, a long line."""
+    problems = ["an ellipsis: something was cut"] if "…" in text else []
+    problems += [f"{w!r} not whole" for w in words if w not in text]
+    problems += [f"a line of {len(line)} columns" for line in text.splitlines() if len(line) > width]
+    return problems
+
+
+@pytest.mark.parametrize("width", [80, 100, 120])
+def test_every_header_and_unit_reads_at(width):
+    result = widest_result()
+    text = render(result, width)
+    assert unreadable(text, header_words(result), width) == [], text
+    for unit in ("ms", "MB", "GB/s", "GiB"):
+        assert f", {unit}" in text
+    assert "peak+:" in text and "(peer)" in text
+
+
+def test_columns_that_do_not_fit_go_to_a_second_table_not_under_the_knife():
+    result = widest_result()
+    assert [len(tables(result, w)) for w in (80, 100, 120)] == [2, 1, 1]
+    assert render(result, 80).count("per refit") == 2
+
+
+def test_the_check_catches_a_cut_header():
+    """Negative control: in a terminal too narrow for even one column beside the labels, rich cuts
+    the headers, and the check says so."""
+    result = widest_result()
+    text = render(result, 40)
+    problems = unreadable(text, header_words(result), 40)
+    assert "an ellipsis: something was cut" in problems, text
+    assert any("not whole" in p for p in problems), problems
+
+
+def test_a_peer_has_dashes_where_it_has_no_such_phase():
+    text = render(widest_result(), 120)
+    finite = next(line for line in text.splitlines() if "finite check, ms" in line)
+    assert finite.count("—") == 1  # the peer's column; each mxrefit mode has a figure
