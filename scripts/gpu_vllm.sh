@@ -22,6 +22,9 @@
 #   headline Qwen3-30B-A3B shapes, dummy weights: mxrefit vs vLLM's own IPC path (vllm_headline.py)
 #   trl      TRL 1.16 GRPOTrainer colocate, ~1.7B random Qwen3: TRL's own weight sync vs mxrefit's, per-step sync and
 #            step times (gpu_trl.py; TRL_FMTS=bf16,mxfp8 adds MXFP8); TRL + datasets wheels from .whl/ into /tmp/site4
+#   bench    issue 23 on the GPU, one command after another (run it alone: it times): the same-process CUDA opens
+#            (pytest), `mxrefit bench` qwen3-30b-a3b 24 layers BF16 beside checkpoint-engine (its wheel from .whl/),
+#            the MXFP8 + TRT-LLM default, and the layer sweep 6,12,24,48 with its fit
 # Everything lands in /tmp/res, packed at the end into $OUT/vllm_h200_<parts>.tar.gz, plus $OUT/summary.txt.
 set -uo pipefail
 step=${1:?p1|p3|install|run}
@@ -50,6 +53,12 @@ RES=/tmp/res; mkdir -p $RES
 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv | tee $RES/gpu.txt
 python3 -c "import torch, vllm; print('torch', torch.__version__, 'vllm', vllm.__version__)" 2>&1 | tail -1 | tee -a $RES/gpu.txt
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
+wheels() {  # the wheels in .whl/ (TRL and its datasets, checkpoint-engine), into /tmp/site4 once per machine
+  if [[ ! -f /tmp/site4/.done ]] && compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site4 .whl/*.whl && touch /tmp/site4/.done
+  fi
+  export PYTHONPATH=$PYTHONPATH:/tmp/site4
+}
 pids=()
 oracle() {  # oracle TAG ARGS...: one vllm_oracle.py run in the background
   local tag=$1; shift
@@ -102,19 +111,29 @@ if has headline; then
     --fmts ${HEADLINE_FMTS:-mxfp8,bf16} ${HEADLINE_ARGS:-} --json $RES/headline.json > $RES/headline.log 2>&1 &
   pids+=($!)
 fi
-if has trl; then  # TRL and its wheels (.whl/: trl, datasets, dill, multiprocess), once per machine
-  if [[ ! -d /tmp/site4/trl ]] && compgen -G ".whl/*.whl" > /dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site4 .whl/*.whl
-  fi
-  PYTHONPATH=$PYTHONPATH:/tmp/site4 timeout ${TRL_TIMEOUT:-420} python3 scripts/gpu_trl.py --mode both --fmt ${TRL_FMTS:-bf16} \
+if has trl; then  # TRL and its wheels (.whl/: trl, datasets, dill, multiprocess)
+  wheels
+  timeout ${TRL_TIMEOUT:-420} python3 scripts/gpu_trl.py --mode both --fmt ${TRL_FMTS:-bf16} \
     --json $RES/trl.json > $RES/trl.log 2>&1 &
+  pids+=($!)
+fi
+if has bench; then
+  wheels
+  {
+    python3 -m pytest -q -p no:cacheprovider tests/integration/test_buffers.py -k "owner or exporting" > $RES/pytest_same_process.log 2>&1
+    b() { local tag=$1; shift; timeout ${BENCH_TIMEOUT:-200} python3 -m mxrefit bench --device cuda --no-progress --model qwen3-30b-a3b \
+      --json $RES/bench_$tag.json "$@" > $RES/bench_$tag.log 2>&1; }
+    b peer_bf16 --layers 24 --format bf16 --mode prequant --peer checkpoint-engine --steps 5
+    b mxfp8 --mode prequant --steps 5
+    b sweep --mode prequant --sweep-layers 6,12,24,48 --steps 3 --plot $RES/sweep_30b.png
+  } &
   pids+=($!)
 fi
 for p in "${pids[@]}"; do wait $p; done
 {
-  for f in $RES/oracle_*.log $RES/moe_hang.out $RES/headline.log $RES/trl.log; do
+  for f in $RES/oracle_*.log $RES/moe_hang.out $RES/headline.log $RES/trl.log $RES/pytest_*.log $RES/bench_*.log; do
     [[ -f $f ]] || continue
-    echo "== $(basename $f)"; grep -E "oracle:|moe_hang:|headline:|trl_bench:|VARIANT-|Error|error:" $f | grep -v "^\s*$" | tail -14
+    echo "== $(basename $f)"; grep -E "oracle:|moe_hang:|headline:|trl_bench:|VARIANT-|Error|error:|passed|failed|total, ms|x copy floor|intercept|checkpoint-engine" $f | grep -v "^\s*$" | tail -14
   done
 } > $RES/summary.txt 2>&1
 cp $RES/summary.txt $OUT/summary.txt
