@@ -1,6 +1,7 @@
 """Trainer side of a refit: plan once, then per step encode buckets straight where they go.
 
-Two data paths, chosen once at ``plan``:
+Two data paths, chosen once at ``plan`` (``mxrefit.transport.registry``) and used through one
+interface (``mxrefit.transport.base.SendPath``):
 - ``direct`` (when the engine can export its storage: CUDA on the same GPU, or host engines
   whose storage lives in shared memory): every part is encoded straight into the engine's
   own bytes; no buffer on either side, no engine-side copy;
