@@ -31,12 +31,11 @@ one adapter per difference, chosen by feature detection (docs/vllm.md §4).
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -696,7 +695,7 @@ class VllmEngine(Engine):
                         aliases.append((modules[other], other_attr, attr))
             unit = _ModuleUnit(mname, module, attrs, aliases)
             self._module_units.append(unit)
-            units.append(StagedUnit(mname, tuple(attrs.values()), functools.partial(self._process, unit)))
+            units.append(StagedUnit(mname, tuple(attrs.values()), self._processing(unit)))
         return units
 
     def _hooks(self) -> list:
@@ -707,6 +706,10 @@ class VllmEngine(Engine):
         refitted = {u.module for u in self._module_units}
         refitted |= {other for u in self._module_units for other, _, _ in u.aliases}
         return module_post_load_hooks(self.model, refitted)
+
+    def _processing(self, unit: _ModuleUnit) -> Callable[[dict[str, torch.Tensor]], None]:
+        """The unit's staged-processing callback; it looks ``_process`` up at each call."""
+        return lambda tensors: self._process(unit, tensors)
 
     def _process(self, unit: _ModuleUnit, tensors: dict[str, torch.Tensor]) -> None:
         if not self._profile:
