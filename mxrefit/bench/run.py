@@ -29,6 +29,7 @@ engine post-processes.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import multiprocessing as mp
 import statistics
@@ -109,7 +110,7 @@ def _engine_main(conn, shape: ModelShape, mode: str, device: str, timeout_s: flo
         torch.cuda.reset_peak_memory_stats(dev)
     if mode == "baseline":
         post_names = quantized_param_names(shape) if post == "trtllm" else []
-        receiver = BaselineReceiver(engine, timeout_s=timeout_s, post=post_names)
+        receiver: BaselineReceiver | Receiver = BaselineReceiver(engine, timeout_s=timeout_s, post=post_names)
     else:
         receiver = Receiver(engine, timeout_s=timeout_s, transactional=mode == "prequant-transactional")
     conn.send({"address": receiver.address, "token": receiver.token})
@@ -117,7 +118,8 @@ def _engine_main(conn, shape: ModelShape, mode: str, device: str, timeout_s: flo
         receiver.serve()
     finally:
         peak = torch.cuda.max_memory_allocated(dev) - base_mem if dev.type == "cuda" else 0
-        pool = engine.staging.pool_bytes if getattr(engine, "staging", None) is not None else 0
+        staging = getattr(engine, "staging", None)
+        pool = staging.pool_bytes if staging is not None else 0
         receiver.close()
         conn.send(
             {
@@ -212,6 +214,7 @@ def _sample_check(
     for name in picked.values():
         dest = engine_dests[name]
         src = weights[name]
+        parts: tuple[torch.Tensor, ...]
         if dest.format == "bf16":
             parts = (src.to(dest.targets[0].dtype),)
         else:
@@ -277,13 +280,15 @@ def run_mode(
             torch.cuda.synchronize(device)
             base_mem = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
+        sender: BaselineSender | Sender
+        prequant: Sender | None = None
         if mode == "baseline":
             sender = BaselineSender(
                 hello["address"], hello["token"], device=device, bucket_bytes=bucket_bytes, timeout_s=timeout_s
             )
         else:
             transport = default_kind(device) if mode == "prequant-buffers" else None
-            sender = Sender(
+            sender = prequant = Sender(
                 hello["address"],
                 hello["token"],
                 device=device,
@@ -304,10 +309,12 @@ def run_mode(
             if on_step is not None:
                 on_step()
         result: dict[str, Any] = {"mode": mode, "steps": [asdict(r) for r in reports]}
-        if mode != "baseline":
-            result["transport"] = sender.transport
-            result["verify"] = sender.verify
-            result["check"] = _sample_check(sender, shape, vllm_destinations(shape, fmt=fmt, experts=experts), weights, post, fmt)
+        if prequant is not None:
+            result["transport"] = prequant.transport
+            result["verify"] = prequant.verify
+            result["check"] = _sample_check(
+                prequant, shape, vllm_destinations(shape, fmt=fmt, experts=experts), weights, post, fmt
+            )
         result["trainer_peak_extra_bytes"] = torch.cuda.max_memory_allocated(device) - base_mem if device.type == "cuda" else 0
         sender.close(shutdown_engine=True)
         result.update(parent.recv() if parent.poll(60) else {})
@@ -388,7 +395,7 @@ def bench(
                 experts=experts,
                 post=post,
                 fmt=fmt,
-                on_step=lambda t=task: bar.advance(t),
+                on_step=functools.partial(bar.advance, task),
             )
         peer_results = {}
         for peer in peers:
@@ -400,7 +407,7 @@ def bench(
                 warmup=warmup,
                 timeout_s=timeout_s,
                 step=lambda i: perturb(weights, i),
-                on_step=lambda t=task: bar.advance(t),
+                on_step=functools.partial(bar.advance, task),
             )
             # it moves the BF16 tensors into a BF16 engine whatever the format: its own floor
             peer_results[peer]["floor_s"] = 2 * trainer_bytes / bw

@@ -28,13 +28,14 @@ from mxrefit.devices import sync_current
 from mxrefit.engine.base import Engine
 from mxrefit.engine.shards import check_shards, local_nbytes, run_copies, strided
 from mxrefit.errors import MxrefitError
-from mxrefit.plan.build import PlanMismatch, RefitPlan, align, build_plan, sources_from_msg, tables_to_msg
-from mxrefit.transport.buffers import OpenedBuffers, TransportError
+from mxrefit.plan.build import Bucket, PlanMismatch, RefitPlan, align, build_plan, sources_from_msg, tables_to_msg
+from mxrefit.transport.base import LandInit, LandPath
+from mxrefit.transport.buffers import TransportError
 from mxrefit.transport.bytesum import ByteSum
 from mxrefit.transport.control import ControlError, ControlServer, PeerTimeout
-from mxrefit.transport.direct import allocate, export_tensors
-from mxrefit.transport.factory import decline_buffers, open_buffers
+from mxrefit.transport.direct import allocate
 from mxrefit.transport.protocol import MAX_BUFFER_BYTES, MAX_BUFFERS, MAX_PROBLEMS, Malformed, Op, check_int, check_request, text
+from mxrefit.transport.registry import decline, land_path_class
 
 log = logging.getLogger("mxrefit.engine.receiver")
 
@@ -73,6 +74,13 @@ class _Applier:
             app.dsts.append(strided(dst[r.param], c.dst, c.dst_pitch, c.rows, c.width))
             app.nbytes += c.rows * c.width
         return app
+
+    @classmethod
+    def landing(cls, slot: torch.Tensor | None, bucket: Bucket, copies: list, dst: dict[str, torch.Tensor]) -> "_Applier":
+        """A bucket's applier: copies from the ``slot`` its bytes arrive in, or none where they land in place."""
+        if slot is None:
+            return cls(nbytes=sum(r.nbytes for r in bucket.runs))
+        return cls.copies(copies, lambda r, c: strided(slot, c.src, c.src_pitch, c.rows, c.width), dst)
 
     def __call__(self) -> None:
         if not self.srcs:
@@ -115,7 +123,7 @@ class Receiver:
         self._plan: RefitPlan | None = None
         self._plan_id: str | None = None
         self._adoption: str | None = None  # the engine's own name for the adopted plan; a begin must echo it
-        self._buffers: OpenedBuffers | None = None
+        self._path: LandPath | None = None  # the adopted plan's transport, engine side
         self._appliers: list[_Applier] = []
         self._commits: list[_Applier] = []
         self._sums: list[ByteSum] = []
@@ -173,7 +181,7 @@ class Receiver:
             else:
                 problems = [f"{op!r:.40}: {type(err).__name__}: {err}"[:_MAX_ERROR_CHARS]]
             if op == Op.PLAN:
-                decline_buffers(msg.get("buffers"), "; ".join(map(str, problems)))
+                decline(msg, "; ".join(map(str, problems)))
             reply = {"op": Op.ERROR, "kind": "plan_mismatch" if op == Op.PLAN else "bad_request", "problems": problems}
         if reply["op"] == Op.ERROR:
             reply.update(self.status())
@@ -214,29 +222,25 @@ class Receiver:
             raise ValueError(
                 f"plan digest {str(msg['digest'])[:12]} from the trainer differs from the engine's {plan.digest[:12]}"
             )
-        transport = msg.get("transport", "buffers")
-        if transport not in ("buffers", "direct"):
-            raise ValueError(f"unknown transport {transport!r:.40}; expected 'buffers' or 'direct'")
-        if transport == "direct" and not self.engine.exportable:
-            raise ValueError(f"this engine ({type(self.engine).__name__}) cannot export its storage; use buffers")
+        transport = land_path_class(msg)
         plan_id = msg.get("plan_id")
         if plan_id is not None and not (isinstance(plan_id, str) and 0 < len(plan_id) <= 64):
             raise ValueError(f"plan_id must be a short string, got {plan_id!r:.40}")
-        if transport == "direct" and self._shards:
-            raise ValueError(
-                "this engine rank holds slices of some parameters; direct writes place whole tensors, so use buffers or broadcast"
-            )
-        opened = None
-        if transport == "buffers":  # waits (a broadcast rendezvous) are bounded by this engine's timeout, not the message's
-            opened = open_buffers(msg["buffers"], self.engine.device, max_wait_s=self.timeout_s)
-            bufs = opened.buffers
-            if len(bufs) != plan.slots or any(b.numel() < plan.bucket_bytes for b in bufs):
-                opened.close()
-                raise ValueError(f"trainer offered {len(bufs)} buffers, the plan needs {plan.slots} of {plan.bucket_bytes} bytes")
+        init = LandInit(
+            device=self.engine.device,
+            engine=type(self.engine).__name__,
+            exportable=bool(self.engine.exportable),
+            sharded=bool(self._shards),
+            max_wait_s=self.timeout_s,
+        )
+        refusal = transport.refusal(init)
+        if refusal is not None:
+            raise ValueError(refusal)
+        path = transport.open(msg, plan, init)
         # from here the engine is re-prepared: a failure leaves no plan rather than a stale one
         self._release_data_path()
         self._plan, self._plan_id, self._adoption = None, None, None
-        self._buffers = opened
+        self._path = path
         self.engine.prepare(plan)
         storage = {name: self.engine.storage(name) for name in self._params}
         wrong = [
@@ -256,15 +260,8 @@ class Receiver:
             for b in plan.buckets
         ]
         adoption = secrets.token_hex(16)
-        reply: dict = {"op": Op.PLANNED, "digest": plan.digest, "adoption": adoption}
-        if transport == "direct":
-            reply["exports"] = export_tensors(landing)
-            self._appliers = [_Applier(nbytes=sum(r.nbytes for r in b.runs)) for b in plan.buckets]
-        else:
-            self._appliers = [
-                _Applier.copies(cs, lambda r, c, b=b: strided(bufs[b.slot], c.src, c.src_pitch, c.rows, c.width), landing)
-                for b, cs in zip(plan.buckets, copies)
-            ]
+        reply: dict = {"op": Op.PLANNED, "digest": plan.digest, "adoption": adoption, **path.planned(landing)}
+        self._appliers = [_Applier.landing(path.arrival(b), b, cs, landing) for b, cs in zip(plan.buckets, copies)]
         if self.transactional:
             self._commits = [
                 _Applier.copies(cs, lambda r, c: strided(landing[r.param], c.dst, c.dst_pitch, c.rows, c.width), storage)
@@ -278,8 +275,8 @@ class Receiver:
     def _verified_views(self, bucket, landing: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """What the integrity sums cover: the landed bytes of each run, or, on a rank holding
         slices (which lands only part of a run), the run's bytes as they arrived in its slot."""
-        if self._shards:
-            slot = self._buffers.buffers[bucket.slot]
+        slot = self._path.arrival(bucket) if self._path is not None else None
+        if self._shards and slot is not None:  # a rank holding slices is never written directly
             return [slot[r.offset : r.offset + r.nbytes] for r in bucket.runs]
         return [landing[r.param][r.param_offset : r.param_offset + r.nbytes] for r in bucket.runs]
 
@@ -296,9 +293,9 @@ class Receiver:
 
     def _release_data_path(self) -> None:
         self._appliers, self._commits, self._sums = [], [], []
-        if self._buffers is not None:
-            self._buffers.close()
-            self._buffers = None
+        if self._path is not None:
+            self._path.close()
+            self._path = None
 
     def _refit(self, begin: dict) -> None:
         version = _int_field(begin, "version")
@@ -326,7 +323,7 @@ class Receiver:
                 check_request(begin)
             except Malformed as bad:
                 problem = bad.why
-        if problem:
+        if problem or version is None:
             self._reply({"op": Op.ERROR, "kind": "refused", "problems": [problem], **self.status()})
             return
         if not self._reply({"op": Op.BEGUN, "version": version}):
@@ -451,9 +448,8 @@ class Receiver:
 
     def _fetch(self, bucket: int) -> None:
         """Bring the bucket's bytes into our slot where the transport moves them (broadcast)."""
-        if self._buffers is not None:
-            b = self._plan.buckets[bucket]
-            self._buffers.fetch(b.slot, b.nbytes)
+        if self._path is not None and self._plan is not None:
+            self._path.fetch(self._plan.buckets[bucket])
 
     def _sync(self) -> None:
         sync_current(self.engine.device)

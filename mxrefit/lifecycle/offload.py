@@ -145,6 +145,11 @@ class OptimizerOffloader:
         )
         self.arena_allocations += 1
 
+    def _arena_view(self, offset: int, nbytes: int) -> torch.Tensor:
+        if self.arena is None:
+            raise RuntimeError("the offload arena is closed")
+        return self.arena.view(offset, nbytes)
+
     @torch.no_grad()
     def offload(self) -> int:
         """Queue the copies to host and free the device memory; returns the bytes moved."""
@@ -154,22 +159,23 @@ class OptimizerOffloader:
         offsets, total = aligned_layout([s.nbytes() for _, s in found])
         if total:
             self._ensure_arena(total)
-        cuda = self._stream is not None
-        if cuda:
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        side, done = self._stream, self._done
+        cuda = side is not None
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(self.device))
         moved = []
-        with on_stream(self._stream):
+        with on_stream(side):
             for (name, storage), offset in zip(found, offsets):
                 n = storage.nbytes()
                 src = storage_bytes(storage)
-                self.arena.view(offset, n).copy_(src, non_blocking=cuda)
-                if cuda:
-                    src.record_stream(self._stream)
+                self._arena_view(offset, n).copy_(src, non_blocking=cuda)
+                if side is not None:
+                    src.record_stream(side)
                 del src
                 storage.resize_(0)
                 moved.append(_Moved(name, storage, offset, n))
-            if cuda:
-                self._done.record(self._stream)
+            if side is not None and done is not None:
+                done.record(side)
         for _, p, _ in detach:
             p.grad = None
         self._moved, self._detached = moved, detach
@@ -188,20 +194,23 @@ class OptimizerOffloader:
                     f"a new gradient of {name!r} was written while the optimizer state was offloaded; "
                     "refusing to overwrite it with the offloaded one"
                 )
-        cuda = self._stream is not None
+        side, done = self._stream, self._done
+        cuda = side is not None
         current = torch.cuda.current_stream(self.device) if cuda else None
-        if cuda:  # blocks handed to the current stream may still be in use by work queued there
-            self._stream.wait_stream(current)
+        if (
+            side is not None and current is not None
+        ):  # blocks handed to the current stream may still be in use by work queued there
+            side.wait_stream(current)
         for m in self._moved:  # allocate, then copy at once: the transfers start while later blocks are allocated
             m.storage.resize_(m.nbytes)  # outside the side stream: the block belongs to the stream that will use it
             dst = storage_bytes(m.storage)
-            with on_stream(self._stream):
-                dst.copy_(self.arena.view(m.offset, m.nbytes), non_blocking=cuda)
-            if cuda:
-                dst.record_stream(self._stream)
-        if cuda:
-            self._done.record(self._stream)
-            current.wait_event(self._done)
+            with on_stream(side):
+                dst.copy_(self._arena_view(m.offset, m.nbytes), non_blocking=cuda)
+            if side is not None:
+                dst.record_stream(side)
+        if side is not None and done is not None and current is not None:
+            done.record(side)
+            current.wait_event(done)
         for _, p, grad in self._detached:
             p.grad = grad
         self._moved, self._detached = [], []

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -102,11 +103,7 @@ class ReferenceSwap:
                 dst.copy_(flat_bytes(local(reference[name]).contiguous()))
         self._groups = self._split(group_bytes)
         self.swapped = False
-        cuda = self.device.type == "cuda"
-        self._d2h = torch.cuda.Stream(self.device) if cuda else None
-        self._h2d = torch.cuda.Stream(self.device) if cuda else None
-        self._group_done = [torch.cuda.Event() for _ in self._groups] if cuda else []
-        self._done = torch.cuda.Event() if cuda else None
+        self._cuda = _Streams.on(self.device, len(self._groups)) if self.device.type == "cuda" else None
 
     def _split(self, group_bytes: int) -> list[range]:
         groups, start, size = [], 0, 0
@@ -130,25 +127,26 @@ class ReferenceSwap:
         if self.swapped:
             raise RuntimeError("the reference weights are already in place; swap_out() first")
         self._check_unmoved()
-        if self._d2h is None:
+        cuda = self._cuda
+        if cuda is None:
             for live, scratch, ref in zip(self._live, self._scratch, self._ref):
                 scratch.copy_(live)
                 live.copy_(ref)
         else:
             current = torch.cuda.current_stream(self.device)
-            self._d2h.wait_stream(current)
-            self._h2d.wait_stream(current)
-            for group, done in zip(self._groups, self._group_done):
-                with torch.cuda.stream(self._d2h):
+            cuda.d2h.wait_stream(current)
+            cuda.h2d.wait_stream(current)
+            for group, done in zip(self._groups, cuda.group_done):
+                with torch.cuda.stream(cuda.d2h):
                     for i in group:
                         self._scratch[i].copy_(self._live[i], non_blocking=True)
-                    done.record(self._d2h)
-                self._h2d.wait_event(done)
-                with torch.cuda.stream(self._h2d):
+                    done.record(cuda.d2h)
+                cuda.h2d.wait_event(done)
+                with torch.cuda.stream(cuda.h2d):
                     for i in group:
                         self._live[i].copy_(self._ref[i], non_blocking=True)
-            self._done.record(self._h2d)
-            current.wait_event(self._done)
+            cuda.done.record(cuda.h2d)
+            current.wait_event(cuda.done)
         self.swapped = True
 
     @torch.no_grad()
@@ -157,22 +155,22 @@ class ReferenceSwap:
         if not self.swapped:
             raise RuntimeError("the reference weights are not in place; swap_in() first")
         self._check_unmoved()
-        if self._h2d is not None:
-            current = torch.cuda.current_stream(self.device)
-            self._h2d.wait_stream(current)
-        with on_stream(self._h2d):
+        cuda = self._cuda
+        if cuda is not None:
+            cuda.h2d.wait_stream(torch.cuda.current_stream(self.device))
+        with on_stream(cuda.h2d if cuda is not None else None):
             for live, scratch in zip(self._live, self._scratch):
-                live.copy_(scratch, non_blocking=self._h2d is not None)
-            if self._h2d is not None:
-                self._done.record(self._h2d)
-        if self._h2d is not None:
-            current.wait_event(self._done)
+                live.copy_(scratch, non_blocking=cuda is not None)
+            if cuda is not None:
+                cuda.done.record(cuda.h2d)
+        if cuda is not None:
+            torch.cuda.current_stream(self.device).wait_event(cuda.done)
         self.swapped = False
 
     def wait(self) -> None:
         """Block the host until the last swap's copies are done (the current stream already waits)."""
-        if self._done is not None:
-            self._done.synchronize()
+        if self._cuda is not None:
+            self._cuda.done.synchronize()
 
     @contextlib.contextmanager
     def reference(self) -> Iterator[None]:
@@ -188,3 +186,19 @@ class ReferenceSwap:
             self.swap_out()
             self.wait()
         self.arena.close()
+
+
+@dataclass
+class _Streams:
+    """The swap's copy streams and events on a CUDA device: host-bound (d2h) and device-bound (h2d)."""
+
+    d2h: torch.cuda.Stream
+    h2d: torch.cuda.Stream
+    group_done: list[torch.cuda.Event]
+    done: torch.cuda.Event
+
+    @classmethod
+    def on(cls, device: torch.device, groups: int) -> _Streams:
+        return cls(
+            torch.cuda.Stream(device), torch.cuda.Stream(device), [torch.cuda.Event() for _ in range(groups)], torch.cuda.Event()
+        )

@@ -1,7 +1,7 @@
 """Refit engines that live on other GPUs or nodes: one broadcast per bucket feeds every engine rank.
 
 ``BroadcastSender`` is the ``Sender`` (same plan, checks, encoders and bucket loop) with two
-things swapped: its data path is broadcast buffers (``mxrefit.transport.broadcast``: a dedicated
+parts given: its transport is ``BroadcastSend`` (``mxrefit.transport.broadcast``: a dedicated
 gloo/NCCL group, bucket *i + 1* encoded while bucket *i* is on the wire) and its control channel
 is a fan-out (``mxrefit.transport.fanout``) over the ``Receiver`` of every engine rank — replicas
 and tensor-parallel ranks alike. All ranks give the same whole-model tables (a rank's slices are
@@ -19,14 +19,15 @@ lost rank is brought back with ``replace_engine`` (e.g. after restarting it).
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
+from mxrefit.devices import resolve
 from mxrefit.plan.build import DEFAULT_BUCKET_BYTES, RefitPlan, SourceSpec
 from mxrefit.plan.eligibility import QuantRules
 from mxrefit.source.sender import RefitError, RefitReport, Sender, Tensors
-from mxrefit.transport.broadcast import BroadcastBuffers, RendezvousError, RendezvousStore, default_backend
+from mxrefit.transport.broadcast import BroadcastSend
 from mxrefit.transport.buffers import TransportError
 from mxrefit.transport.control import ControlError, PeerTimeout
 from mxrefit.transport.fanout import ControlFanOut, combined_status
@@ -50,7 +51,14 @@ class BroadcastSender(Sender):
     ``rendezvous_timeout_s`` bounds forming the group at each plan. ``verify``: per-bucket
     integrity sums, checked by every rank over the bytes that arrived in its slot. ``rules``:
     the trainer's quantization rules, checked against the ranks' tables at plan (as ``Sender``).
+
+    A ``Sender`` whose control channel is a ``ControlFanOut`` and whose transport is
+    ``BroadcastSend``; it adds what N ranks need: a plan before a refit whenever a group may have
+    broken, every rank's state in a failed refit's error, and ``replace_engine``.
     """
+
+    client: ControlFanOut
+    path: BroadcastSend
 
     def __init__(
         self,
@@ -69,61 +77,40 @@ class BroadcastSender(Sender):
         rules: QuantRules | None = None,
     ):
         self._engines = list(engines)
-        super().__init__(
+        fan = ControlFanOut(self._engines)
+        device = resolve(device)
+        path = BroadcastSend(
+            fan, device, backend=backend, host=host, port=port, timeout_s=timeout_s, rendezvous_timeout_s=rendezvous_timeout_s
+        )
+        self._setup(
             ", ".join(a for a, _ in self._engines),
-            b"",
             device=device,
             bucket_bytes=bucket_bytes,
             slots=slots,
+            transport=BroadcastSend.name,
             timeout_s=timeout_s,
             check_finite=check_finite,
             verify=verify,
             rules=rules,
+            path=path,
         )
-        self.backend = backend or default_backend(self.device)
+        self.client = fan
+        self.backend = path.backend
         self.rendezvous_timeout_s = rendezvous_timeout_s
-        self._store_at = (host, port)
-        self._store: RendezvousStore | None = None
         self._needs_plan = False
         self._recovered: dict | None = None
 
-    def _make_client(self, address: str, token: bytes) -> ControlFanOut:
-        return ControlFanOut(self._engines)
-
-    def _choose_transport(self) -> str:
-        return "broadcast"
-
     # ---- plan: a new group each time -------------------------------------------------------
-    def _ensure_buffers(self, kind: str, plan: RefitPlan) -> None:
-        self._close_data_path()
-        if self._store is None:
-            self._store = RendezvousStore(*self._store_at, timeout_s=self.rendezvous_timeout_s)
-        self.buffers = BroadcastBuffers(
-            plan.slots,
-            plan.bucket_bytes,
-            self.device,
-            store=self._store,
-            world_size=len(self._engines) + 1,
-            backend=self.backend,
-            timeout_s=self.timeout_s,
-            rendezvous_timeout_s=self.rendezvous_timeout_s,
-        )
-
-    def _send_plan(self, msg: dict) -> dict:
-        fan = self.client
+    def plan(self, specs: Iterable[SourceSpec]) -> RefitPlan:
+        """``Sender.plan`` over every rank (each plan forms a new group); RefitError if a rank is lost."""
         self._require_every_rank()
-        self._needs_plan = True  # until every rank adopted this plan
-        desc = self.buffers.describe()
-        for i in fan.live:
-            fan.send_to(i, {**msg, "buffers": {**desc, "rank": i + 1}})
         try:
-            self.buffers.join(fan.names)
-        except RendezvousError:
-            fan.abandon()  # the ranks' answers come later (or never); skipped before the next exchange
+            plan = super().plan(specs)
+        except BaseException:
+            self._needs_plan = True  # some ranks may hold the new plan, others not: plan again before a refit
             raise
-        reply = self._checked(self._valid(fan.recv(self.timeout_s, step="forming the broadcast group"), Op.PLANNED), Op.PLAN)
         self._needs_plan = False
-        return reply
+        return plan
 
     def _require_every_rank(self) -> None:
         if self.client.lost:
@@ -152,8 +139,7 @@ class BroadcastSender(Sender):
             return super().refit(tensors, version=version)
         except (RefitError, ControlError, TransportError) as err:
             self._needs_plan = True
-            if self.buffers is not None:
-                self.buffers.discard()
+            self.path.discard()
             status = self._recovered if self._recovered is not None else self._recover(str(err))
             reason = err.reason if isinstance(err, RefitError) else str(err)
             raise RefitError(f"{reason}; ranks: {_rank_summary(status)}", status) from err
@@ -185,10 +171,6 @@ class BroadcastSender(Sender):
 
     def _status_or_none(self) -> dict | None:
         return self._recover("the trainer gave up on the refit")
-
-    def close(self, *, shutdown_engine: bool = False) -> None:
-        super().close(shutdown_engine=shutdown_engine)
-        self._store = None  # the rendezvous store stops listening once released
 
     def status(self) -> dict:
         """Combined status (``ready`` only if every rank is at one version) with each rank's in ``ranks``."""

@@ -1,6 +1,7 @@
 """Trainer side of a refit: plan once, then per step encode buckets straight where they go.
 
-Two data paths, chosen once at ``plan``:
+Two data paths, chosen once at ``plan`` (``mxrefit.transport.registry``) and used through one
+interface (``mxrefit.transport.base.SendPath``):
 - ``direct`` (when the engine can export its storage: CUDA on the same GPU, or host engines
   whose storage lives in shared memory): every part is encoded straight into the engine's
   own bytes; no buffer on either side, no engine-side copy;
@@ -28,7 +29,8 @@ import logging
 import secrets
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -39,6 +41,7 @@ from mxrefit.formats._common import NO_BAD, bad_flag, first_bad
 from mxrefit.formats.finite_check import FiniteCheck
 from mxrefit.plan.build import (
     DEFAULT_BUCKET_BYTES,
+    Bucket,
     PlanMismatch,
     RefitPlan,
     SourceSpec,
@@ -47,16 +50,17 @@ from mxrefit.plan.build import (
     tables_from_msg,
 )
 from mxrefit.plan.eligibility import QuantRules, check_rules
+from mxrefit.plan.types import Destination, ParamSpec
+from mxrefit.transport.base import Control, EngineInfo, SendInit, SendPath
 from mxrefit.transport.buffers import TransferBuffers
 from mxrefit.transport.bytesum import ByteSum
 from mxrefit.transport.control import ControlClient, ControlError, PeerTimeout
-from mxrefit.transport.direct import OpenedExports, open_exports
-from mxrefit.transport.factory import KINDS, create_buffers, default_kind
 from mxrefit.transport.protocol import Malformed, Op, check_reply
+from mxrefit.transport.registry import SEND_PATHS, choose, send_path
 
 log = logging.getLogger("mxrefit.source.sender")
 
-TRANSPORTS = ("direct", *KINDS)
+TRANSPORTS = tuple(SEND_PATHS)  # what Sender(transport=...) takes; BroadcastSender brings its own
 Tensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
 
@@ -91,7 +95,17 @@ class RefitReport:
 class Sender:
     """Trainer side of a refit; use from one thread. ``transport``: None (direct when the
     engine can export its storage, else buffers for this device), ``"direct"``, ``"shm"`` or
-    ``"cuda_ipc"``."""
+    ``"cuda_ipc"`` (``mxrefit.transport.registry``).
+
+    The refit talks to the engine through ``client`` (a ``mxrefit.transport.base.Control``) and
+    moves bytes through ``path`` (a ``SendPath``); neither depends on which transport it is. A
+    subclass for other engine topologies (``BroadcastSender``) sets both up with ``_setup`` and may
+    override two hooks: ``_abort`` (stop a refit the engine side is in, learning its status) and
+    ``_status_or_none`` (the engine side's status after a refit failed on the control channel).
+    """
+
+    client: Control
+    path: SendPath | None
 
     def __init__(
         self,
@@ -113,6 +127,35 @@ class Sender:
         each tensor) where the engine's tables quantize differently."""
         if transport is not None and transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS} or None, got {transport!r}")
+        self._setup(
+            address,
+            device=device,
+            bucket_bytes=bucket_bytes,
+            slots=slots,
+            transport=transport,
+            timeout_s=timeout_s,
+            check_finite=check_finite,
+            verify=verify,
+            rules=rules,
+        )
+        self.client = ControlClient(address, token)
+
+    def _setup(
+        self,
+        address: str,
+        *,
+        device: torch.device | str,
+        bucket_bytes: int,
+        slots: int,
+        transport: str | None,
+        timeout_s: float,
+        check_finite: bool,
+        verify: bool,
+        rules: QuantRules | None,
+        path: SendPath | None = None,
+    ) -> None:
+        """Everything but the control channel, which the caller sets as ``client`` next. ``path``:
+        a transport this sender always uses (``BroadcastSender``); else one is chosen at each plan."""
         self.device = resolve(device)
         self.rules = rules
         self.bucket_bytes = bucket_bytes
@@ -122,23 +165,28 @@ class Sender:
         self.timeout_s = timeout_s
         self.check_finite = check_finite
         self.verify = verify
-        self.client = self._make_client(address, token)
         self.address = address
         self.plan_: RefitPlan | None = None
-        self.buffers: TransferBuffers | None = None
-        self.exports: OpenedExports | None = None
+        self.path = path
+        self._pinned = path is not None
         self.engine_status: dict = {}
-        self._engine_info: dict = {}
-        self._tables = None
+        self._engine: EngineInfo | None = None
+        self._tables: tuple[dict[str, ParamSpec], dict[str, Destination]] | None = None
         self._plan_id: str | None = None
         self._adoptions: list[str] = []
         self._last_sources: list[torch.Tensor] | None = None
         self._unfinished: int | None = None
+        self._bucket_encoders: list[list[tuple[list[int], Any]]] = []
+        self._sums: list[ByteSum] = []
+        self._finite: FiniteCheck | None = None
+        self._bucket_checks: dict[int, FiniteCheck] = {}
+
+    @property
+    def buffers(self) -> TransferBuffers | None:
+        """The transport's slots, for transports that have them (None for direct writes)."""
+        return self.path.buffers if self.path is not None else None
 
     # ---- set-up, once ----------------------------------------------------------------------
-    def _make_client(self, address: str, token: bytes) -> ControlClient:
-        return ControlClient(address, token)
-
     _ANSWERS = {
         Op.HELLO: (Op.TABLES,),
         Op.PLAN: (Op.PLANNED,),
@@ -178,39 +226,38 @@ class Sender:
         self.client.abandon()
         self._unfinished = None
 
-    def connect(self) -> None:
+    def connect(self) -> tuple[dict[str, ParamSpec], dict[str, Destination]]:
+        """Say hello: the engine's tables (also kept for ``plan``), its storage and its status."""
         self._preempt("a trainer connected")
         reply = self._request({"op": Op.HELLO}, "connecting")
         try:
-            self._tables = tables_from_msg(reply)
+            tables = tables_from_msg(reply)
         except Exception as err:  # the engine's tables are its data: any malformation is the engine's error
             raise RefitError(f"engine at {self.address} sent malformed tables: {type(err).__name__}: {err}"[:1000]) from None
-        self._engine_info = {"exportable": reply["exportable"], "device": reply["device"]}
+        self._tables = tables
+        self._engine = EngineInfo(exportable=reply["exportable"], device=reply["device"])
         self.engine_status = {"version": reply["version"], "state": reply["state"]}
+        return tables
 
-    def _choose_transport(self) -> str:
-        same_kind = self._engine_info.get("device") == self.device.type
-        can_direct = self._engine_info.get("exportable") and same_kind
-        wanted = self.requested_transport
-        if wanted == "direct" and not can_direct:
-            raise ValueError(
-                f"transport 'direct' needs an engine that exports its storage on this device type "
-                f"({self.device.type}); the engine at {self.address} is on {self._engine_info.get('device')} "
-                f"and {'can' if self._engine_info.get('exportable') else 'cannot'} export"
-            )
-        if wanted is None:
-            return "direct" if can_direct else default_kind(self.device)
-        return wanted
+    def _wire(self) -> SendPath:
+        """The transport for the next plan: the pinned one, else the registry's choice (the current path if unchanged)."""
+        if self._pinned and self.path is not None:
+            return self.path
+        engine = self._engine if self._engine is not None else EngineInfo(exportable=False, device="")
+        init = SendInit(self.device, self.address, engine, self.timeout_s)
+        name = choose(self.requested_transport, init)
+        if self.path is None or self.path.name != name:
+            self._close_path()
+            self.path = send_path(name, init)
+        return self.path
 
     def plan(self, specs: Iterable[SourceSpec]) -> RefitPlan:
         """Build the plan for these trainer tensors, wire the data path, and hand both to the engine."""
-        if self._tables is None:
-            self.connect()
-        params, destinations = self._tables
+        params, destinations = self._tables if self._tables is not None else self.connect()
         if self.rules is not None:
             check_rules(self.rules, destinations)
         plan = build_plan(list(specs), params, destinations, bucket_bytes=self.bucket_bytes, slots=self.slots)
-        transport = self._choose_transport()
+        path = self._wire()
         plan_id = secrets.token_hex(8)  # names this adoption: the engine refuses a begin from a trainer planned earlier
         msg = {
             "op": Op.PLAN,
@@ -221,75 +268,41 @@ class Sender:
             "digest": plan.digest,
             "verify": self.verify,
         }
-        self._close_data_path(keep_buffers=transport != "direct")
-        if transport == "direct":
-            msg["transport"] = "direct"
-        else:
-            self._ensure_buffers(transport, plan)
-            msg["transport"] = "buffers"
-        reply = self._send_plan(msg)
+        path.prepare(plan)
+        reply = self._checked(self._valid(path.offer(self.client, msg, self.timeout_s), Op.PLANNED), Op.PLAN)
         if reply["digest"] != plan.digest:
             raise RefitError(f"engine at {self.address} answered the plan with another digest ({reply['digest'][:12]})")
-        if transport == "direct":
-            if not isinstance(reply.get("exports"), dict):
-                raise RefitError(f"engine at {self.address} planned direct writes without exporting its storage")
-            try:
-                self.exports = open_exports(reply["exports"], self.device if self.device.type == "cuda" else None)
-            except (ValueError, LookupError) as err:
-                if self.requested_transport is None:  # e.g. an engine of another user: its memory is not ours to write
-                    log.warning(
-                        "engine at %s exported storage this trainer will not write (%s); using buffers", self.address, err
-                    )
-                    self._engine_info["exportable"] = False
-                    return self.plan(plan.sources)
-                raise RefitError(f"engine at {self.address} exported storage this trainer will not write: {err}") from None
-        self.transport = transport
+        try:
+            path.adopt(reply)
+        except Malformed as bad:
+            raise RefitError(f"engine at {self.address} {bad.why}") from None
+        except (ValueError, LookupError) as err:
+            if self.requested_transport is None and self._engine is not None:
+                # e.g. an engine of another user: its memory is not ours to write
+                log.warning("engine at %s exported storage this trainer will not write (%s); using buffers", self.address, err)
+                self._engine = replace(self._engine, exportable=False)
+                return self.plan(plan.sources)
+            raise RefitError(f"engine at {self.address} exported storage this trainer will not write: {err}") from None
+        self.transport = path.name
         self.plan_, self._plan_id = plan, plan_id
         adoption = reply["adoption"]
         self._adoptions = adoption if isinstance(adoption, list) else [adoption]
         self._last_sources = None
-        self._build_encoders(plan)
+        self._build_encoders(plan, path)
         return plan
 
-    def _ensure_buffers(self, kind: str, plan: RefitPlan) -> None:
-        """Buffers for this plan: the current ones when they fit, else new ones."""
-        if self.buffers is None or self.buffers.nbytes < plan.bucket_bytes or len(self.buffers.buffers) != plan.slots:
-            self._close_data_path()
-            self.buffers = create_buffers(kind, plan.slots, plan.bucket_bytes, self.device)
+    def _close_path(self) -> None:
+        if self.path is not None:
+            self.path.close()
+            if not self._pinned:
+                self.path = None
 
-    def _send_plan(self, msg: dict) -> dict:
-        """Hand the plan (and the buffers' description) to the engine; its reply."""
-        if msg["transport"] == "buffers":
-            msg["buffers"] = self.buffers.describe()
-        return self._request(msg, "sending the plan")
-
-    def _close_data_path(self, keep_buffers: bool = False) -> None:
-        if self.exports is not None:
-            self.exports.close()
-            self.exports = None
-        if self.buffers is not None and not keep_buffers:
-            self.buffers.close()
-            self.buffers = None
-
-    def _run_view(self, bucket, run) -> torch.Tensor:
-        """The bytes this side writes for one run of a bucket (flat uint8)."""
-        if self.transport == "direct":
-            return self.exports.tensors[run.param][run.param_offset : run.param_offset + run.nbytes]
-        return self.buffers.buffers[bucket.slot][run.offset : run.offset + run.nbytes]
-
-    def _part_view(self, plan: RefitPlan, bucket, part) -> torch.Tensor:
-        t = part.target
-        if self.transport == "direct":
-            flat = self.exports.tensors[t.param][t.offset : t.offset + t.nbytes]
-        else:
-            flat = self.buffers.buffers[bucket.slot][part.offset : part.offset + t.nbytes]
-        return flat.view(t.dtype).view(t.shape)
-
-    def _build_encoders(self, plan: RefitPlan) -> None:
+    def _build_encoders(self, plan: RefitPlan, path: SendPath) -> None:
         views: dict[int, list[torch.Tensor | None]] = {}
         for b in plan.buckets:
             for p in b.parts:
-                views.setdefault(p.source, [None] * 2)[p.role] = self._part_view(plan, b, p)
+                t = p.target
+                views.setdefault(p.source, [None] * 2)[p.role] = path.part_view(b, p).view(t.dtype).view(t.shape)
         self._bucket_encoders = []
         for b in plan.buckets:
             by_format: dict[str, list[int]] = {}
@@ -302,9 +315,9 @@ class Sender:
                 encs.append((idx, get_format(fmt_name).encoder(specs, outs)))
             self._bucket_encoders.append(encs)
         self._bad = bad_flag(self.device)
-        self._sums = [ByteSum([self._run_view(b, r) for r in b.runs]) for b in plan.buckets] if self.verify else []
-        self._finite: FiniteCheck | None = None
-        self._bucket_checks: dict[int, FiniteCheck] = {}
+        self._sums = [ByteSum([path.run_view(b, r) for r in b.runs]) for b in plan.buckets] if self.verify else []
+        self._finite = None
+        self._bucket_checks = {}
 
     # ---- every step ------------------------------------------------------------------------
     def _check_source(self, s: SourceSpec, t: torch.Tensor) -> str | None:
@@ -316,8 +329,13 @@ class Sender:
             return f"tensor {s.name!r} is not contiguous (strides {t.stride()})"
         return None
 
+    def _planned(self) -> RefitPlan:
+        if self.plan_ is None:
+            raise RuntimeError("no plan: call plan() first")
+        return self.plan_
+
     def _ordered_sources(self, tensors: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
-        plan = self.plan_
+        plan = self._planned()
         if len(tensors) != len(plan.sources):
             names = set(tensors)
             planned = {s.name for s in plan.sources}
@@ -337,11 +355,12 @@ class Sender:
         self._last_sources = srcs
         return srcs
 
-    def _stream_bucket(self, stream: Iterator[tuple[str, torch.Tensor]], bucket) -> list[torch.Tensor]:
+    def _stream_bucket(self, stream: Iterator[tuple[str, torch.Tensor]], bucket: Bucket) -> list[torch.Tensor]:
         """Pull one bucket's tensors from a stream, in plan order, checked like a mapping's."""
         out = []
+        plan = self._planned()
         for i in bucket.sources:
-            spec = self.plan_.sources[i]
+            spec = plan.sources[i]
             try:
                 name, t = next(stream)
             except StopIteration:
@@ -362,19 +381,21 @@ class Sender:
         written; a stream is checked bucket by bucket (see the module docstring).
         """
         t0 = time.perf_counter()
-        streaming = not isinstance(tensors, Mapping)
-        if self.plan_ is None:
-            if streaming:
+        stream: Iterator[tuple[str, torch.Tensor]] | None = None
+        if not isinstance(tensors, Mapping):
+            if self.plan_ is None:
                 raise ValueError("plan() the stream's specs before the first refit from a stream")
+            stream = iter(tensors)
+        elif self.plan_ is None:
             self.plan([SourceSpec(n, tuple(t.shape), t.dtype) for n, t in tensors.items()])
-        plan = self.plan_
+        plan, path = self._planned(), self._path()
         srcs: list[torch.Tensor | None] = [None] * len(plan.sources)
-        if not streaming:
-            srcs = self._ordered_sources(tensors)
+        if isinstance(tensors, Mapping):
+            checked = self._ordered_sources(tensors)
             if self.check_finite and self._finite is None:
                 self._finite = FiniteCheck([(s.shape, s.dtype) for s in plan.sources], self.device)
-            self._screen(srcs)
-        stream = iter(tensors) if streaming else None
+            self._screen(checked)
+            srcs = list(checked)
         version = int(self.engine_status.get("version", 0)) + 1 if version is None else version
         report = RefitReport(version, transport=self.transport, check_s=time.perf_counter() - t0)
         if self._unfinished is not None:
@@ -392,16 +413,14 @@ class Sender:
                 },
                 f"starting refit {version}",
             )
-            if self.exports is not None:
-                self._verify_exports(version)
+            self._check_path(path, version)
             self._bad.fill_(NO_BAD)  # an aborted refit leaves its flag behind
             for b, encoders in zip(plan.buckets, self._bucket_encoders):
                 while acked < b.index - plan.slots + 1:
                     acked = self._await_applied(acked, version, report)
                 t = time.perf_counter()
-                if self.buffers is not None:
-                    self.buffers.acquire(b.slot)
-                if streaming:
+                path.acquire(b.slot)
+                if stream is not None:
                     for i, x in zip(b.sources, self._pull(stream, b, version, report)):
                         srcs[i] = x
                 for idx, encode in encoders:
@@ -409,18 +428,17 @@ class Sender:
                 bad = first_bad(self._bad)
                 report.pack_s += time.perf_counter() - t
                 if bad is not None:
-                    culprits = [plan.sources[i].name for i in b.sources if not bool(torch.isfinite(srcs[i]).all())]
+                    culprits = [plan.sources[i].name for i in b.sources if not _finite(srcs[i])]
                     self._abort(version, f"non-finite input in bucket {b.index}")
                     raise RefitError(
                         f"refit {version}: non-finite values in {culprits} found while packing bucket {b.index}; "
                         f"{b.index} earlier buckets had reached the engine",
                         self.engine_status,
                     )
-                if streaming:
+                if stream is not None:
                     for i in b.sources:
                         srcs[i] = None
-                if self.buffers is not None:
-                    self.buffers.publish(b.slot, b.nbytes)
+                path.publish(b.slot, b.nbytes)
                 self.client.send(self._ready(b, version))
             while acked < len(plan.buckets):
                 acked = self._await_applied(acked, version, report)
@@ -440,7 +458,7 @@ class Sender:
         report.total_s = time.perf_counter() - t0
         return report
 
-    def _ready(self, bucket, version: int) -> dict:
+    def _ready(self, bucket: Bucket, version: int) -> dict:
         """The bucket's "ready" message, with its integrity sums when verifying."""
         ready = {"op": Op.READY, "version": version, "bucket": bucket.index}
         if self._sums:
@@ -454,10 +472,12 @@ class Sender:
         bad = self._finite.first_bad(srcs)
         if bad is not None:
             raise mxfp8.NonFiniteError(
-                f"tensor {self.plan_.sources[bad].name!r} holds NaN or Inf; nothing was sent to the engine"
+                f"tensor {self._planned().sources[bad].name!r} holds NaN or Inf; nothing was sent to the engine"
             )
 
-    def _pull(self, stream, bucket, version: int, report: RefitReport) -> list[torch.Tensor]:
+    def _pull(
+        self, stream: Iterator[tuple[str, torch.Tensor]], bucket: Bucket, version: int, report: RefitReport
+    ) -> list[torch.Tensor]:
         """A stream's tensors for one bucket; bad input aborts the refit (earlier buckets landed)."""
         try:
             tensors = self._stream_bucket(stream, bucket)
@@ -468,7 +488,7 @@ class Sender:
                 bad = self._bucket_checks[bucket.index].first_bad(tensors)
                 report.check_s += time.perf_counter() - t
                 if bad is not None:
-                    name = self.plan_.sources[bucket.sources[bad]].name
+                    name = self._planned().sources[bucket.sources[bad]].name
                     raise mxfp8.NonFiniteError(f"tensor {name!r} holds NaN or Inf")
         except (PlanMismatch, mxfp8.NonFiniteError) as err:
             self._abort(version, f"bad input in bucket {bucket.index}: {err}")
@@ -491,10 +511,15 @@ class Sender:
             raise RefitError(f"refit {version}: engine answered {reply['op']!r} {why} while bucket {acked} was in flight", status)
         return acked + 1
 
-    def _verify_exports(self, version: int) -> None:
-        """The engine's exported segments are still the ones checked at plan (none shrank); else abort the refit."""
+    def _path(self) -> SendPath:
+        if self.path is None:
+            raise RuntimeError("no data path: call plan() first")
+        return self.path
+
+    def _check_path(self, path: SendPath, version: int) -> None:
+        """What the engine exported is still what was checked at plan (no segment shrank); else abort the refit."""
         try:
-            self.exports.verify()
+            path.check()
         except ValueError as err:
             self._abort(version, "exported storage changed")
             raise RefitError(
@@ -502,7 +527,9 @@ class Sender:
             ) from None
 
     def _abort(self, version: int, why: str) -> None:
-        """Tell the engine to stop; skip the "applied" answers still in flight before its "aborted"."""
+        """Tell the engine to stop; skip the "applied" answers still in flight before its "aborted".
+
+        A hook: ``BroadcastSender`` aborts every rank and reads all each still owes."""
         try:
             self.client.send({"op": Op.ABORT, "version": version, "why": why})
             deadline = time.monotonic() + self.timeout_s
@@ -519,6 +546,7 @@ class Sender:
             pass
 
     def _status_or_none(self) -> dict | None:
+        """The engine's status after a refit failed on the control channel, None if it does not answer (a hook)."""
         try:
             return self.status()
         except ControlError:
@@ -535,4 +563,8 @@ class Sender:
             except ControlError:
                 pass
         self.client.close()
-        self._close_data_path()
+        self._close_path()
+
+
+def _finite(t: torch.Tensor | None) -> bool:
+    return t is None or bool(torch.isfinite(t).all())

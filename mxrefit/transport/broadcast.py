@@ -33,6 +33,10 @@ unusable on every rank: the refit fails and the next plan builds a new group. NC
 built with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` unless the caller set it: on a collective error
 torch then aborts the communicator instead of tearing the whole (trainer) process down.
 
+The trainer's side of the transport is ``BroadcastSend`` (``mxrefit.transport.base.SendPath``):
+a new group at every plan, the plan message sent to each rank with its rank, then ``join``. The
+engine side is the buffers transport's (``BufferLand`` opens ``open_broadcast``).
+
 Trust: like any torch.distributed job, the store and the group are unauthenticated; use them on
 a trusted network. The store listens only on the given host's address. The token-checked
 control channel carries the description; the group id is random, so a rank of an old group
@@ -54,7 +58,10 @@ from typing import Any, Iterator
 import torch
 from torch import distributed as dist
 
+from mxrefit.plan.build import RefitPlan
+from mxrefit.transport.base import Control, SlotSend
 from mxrefit.transport.buffers import OpenedBuffers, TransferBuffers, TransportError
+from mxrefit.transport.fanout import ControlFanOut
 from mxrefit.transport.protocol import MAX_BUFFER_BYTES, MAX_BUFFERS, check_int, check_keys
 
 log = logging.getLogger("mxrefit.source.broadcast_sender")
@@ -111,6 +118,11 @@ def _nccl_error_handling() -> Iterator[None]:
         os.environ.pop(var, None)
 
 
+def _cut(why: str) -> str:
+    """``why`` within _MAX_WHY_CHARS bytes of UTF-8 (what the store carries)."""
+    return why.encode()[:_MAX_WHY_CHARS].decode(errors="ignore")
+
+
 def _check_device(backend: str, device: torch.device) -> None:
     if backend == "nccl" and device.type != "cuda":
         raise ValueError(f"the nccl backend broadcasts between GPUs; this side's buffers would be on {device}")
@@ -125,6 +137,8 @@ class _Group:
         self.backend, self.rank, self.size, self.device = backend, rank, size, device
         self.timeout_s, self.label = timeout_s, label
         self.failed = False
+        # Any: the backend classes' stubs lack the collectives and teardown (broadcast, abort, shutdown) they have
+        self.pg: Any
         try:
             if backend == "gloo":
                 self.pg = dist.ProcessGroupGloo(store, rank, size, timeout=_td(timeout_s))
@@ -283,17 +297,17 @@ class BroadcastBuffers(TransferBuffers):
                 self._abandon(store, f"{names} did not join within the {self.rendezvous_timeout_s:g} s rendezvous timeout")
             if pending:
                 time.sleep(_POLL_S)
-        store.set("decision", b"go")
+        store.set("decision", "go")
         self.group = _Group(self.backend, store, 0, self.world_size, self.device, self.timeout_s, self.label)
         self.group.handshake(self.group_id)
 
     def _abandon(self, store: dist.Store, why: str) -> None:
-        store.set("decision", b"abandon:" + why.encode()[:_MAX_WHY_CHARS])
+        store.set("decision", "abandon:" + _cut(why))
         raise RendezvousError(f"{self.label}: rendezvous abandoned: {why}")
 
     def acquire(self, slot: int) -> None:
         work = self._works.pop(slot, None)
-        if work is not None:
+        if work is not None and self.group is not None:
             self.group.wait(work, f"the broadcast from slot {slot}")
 
     def publish(self, slot: int, nbytes: int) -> None:
@@ -371,7 +385,7 @@ def open_broadcast(
     buffers = [torch.empty(d["nbytes"], dtype=torch.uint8, device=device) for _ in range(d["count"])]
     started = time.monotonic()
     store = _group_store(_client_store(d["host"], d["port"], d["rendezvous_timeout_s"]), d["group"])
-    store.set(f"joined/{rank}", b"1")
+    store.set(f"joined/{rank}", "1")
     # the trainer decides within one timeout of sending the plans; the whole wait stays within two
     patience = max(0.1, 2 * d["rendezvous_timeout_s"] - (time.monotonic() - started))
     try:
@@ -397,6 +411,72 @@ def decline_broadcast(desc: Any, why: str) -> None:
     try:
         d = _check_desc(desc)
         store = _group_store(_client_store(d["host"], d["port"], min(5.0, d["rendezvous_timeout_s"])), d["group"])
-        store.set(f"refused/{d['rank']}", why.encode()[:_MAX_WHY_CHARS])
+        store.set(f"refused/{d['rank']}", _cut(why))
     except Exception as err:  # the trainer then names this rank at its rendezvous timeout instead
         log.warning("could not tell the trainer's rendezvous that this rank refused the plan: %s", _first_line(err))
+
+
+class BroadcastSend(SlotSend):
+    """Trainer side of the broadcast transport over the fan-out to every engine rank (group rank i + 1
+    is ``fan``'s rank i): a new group at every plan, one broadcast per bucket."""
+
+    name = "broadcast"
+
+    def __init__(
+        self,
+        fan: ControlFanOut,
+        device: torch.device,
+        *,
+        backend: str | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        timeout_s: float = 60.0,
+        rendezvous_timeout_s: float = 60.0,
+    ) -> None:
+        super().__init__(device)
+        self.fan = fan
+        self.backend = backend or default_backend(device)
+        self.timeout_s, self.rendezvous_timeout_s = timeout_s, rendezvous_timeout_s
+        self._store_at = (host, port)
+        self._store: RendezvousStore | None = None
+        self.buffers: BroadcastBuffers | None = None
+
+    def _fits(self, plan: RefitPlan) -> bool:
+        return False  # each plan forms a new group: a failed group is never reused
+
+    def _new_buffers(self, plan: RefitPlan) -> BroadcastBuffers:
+        if self._store is None:
+            self._store = RendezvousStore(*self._store_at, timeout_s=self.rendezvous_timeout_s)
+        return BroadcastBuffers(
+            plan.slots,
+            plan.bucket_bytes,
+            self.device,
+            store=self._store,
+            world_size=len(self.fan.names) + 1,
+            backend=self.backend,
+            timeout_s=self.timeout_s,
+            rendezvous_timeout_s=self.rendezvous_timeout_s,
+        )
+
+    def offer(self, control: Control, msg: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        """The plan to every live rank (each told its rank), then form the group; the ranks' merged answer."""
+        fan, group = self.fan, self.buffers
+        if group is None:
+            raise RuntimeError("the broadcast transport is not wired: plan first")
+        desc = group.describe()
+        for i in fan.live:
+            fan.send_to(i, {**msg, "transport": "buffers", "buffers": {**desc, "rank": i + 1}})
+        try:
+            group.join(fan.names)
+        except RendezvousError:
+            fan.abandon()  # the ranks' answers come later (or never); skipped before the next exchange
+            raise
+        return fan.recv(timeout_s, step="forming the broadcast group")
+
+    def discard(self) -> None:
+        if self.buffers is not None:
+            self.buffers.discard()
+
+    def close(self) -> None:
+        super().close()
+        self._store = None  # the rendezvous store stops listening once released

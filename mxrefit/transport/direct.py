@@ -14,7 +14,9 @@ Two kinds, chosen by where the engine's tensors live:
 - ``shm``: host tensors inside a shared-memory segment made by ``allocate`` (POSIX shm), so
   CPU engines and the tests run the same path.
 
-Who writes when is the control protocol's job, as for buffers.
+Who writes when is the control protocol's job, as for buffers. ``DirectSend`` and ``DirectLand``
+are the transport's two sides (``mxrefit.transport.base``): the engine exports the storage refits
+land in with its ``planned`` answer, the trainer opens it once per plan and its encoders write there.
 
 The opener (the trainer) writes into memory the engine names, so it trusts a named shm segment
 only if its own user owns it (the engine then runs as this user: a segment of another user, or
@@ -33,6 +35,8 @@ from typing import Any
 
 import torch
 
+from mxrefit.plan.build import Bucket, Part, RefitPlan, Run
+from mxrefit.transport.base import LandInit, LandPath, SendInit, SendPath
 from mxrefit.transport.cuda_ipc import (
     _OWNED_HERE,
     _check_fields,
@@ -43,7 +47,7 @@ from mxrefit.transport.cuda_ipc import (
     own_here,
     views_here,
 )
-from mxrefit.transport.protocol import MAX_BUFFER_BYTES, MAX_BUFFERS, check_int, check_keys, check_list
+from mxrefit.transport.protocol import MAX_BUFFER_BYTES, MAX_BUFFERS, Malformed, check_int, check_keys, check_list
 from mxrefit.transport.shm import _NAME, ShmBuffers, _map_segment, _tensor_over
 
 _MAX_TENSORS = 1 << 20
@@ -284,3 +288,84 @@ def _open_cuda(desc: dict[str, Any], device: torch.device | str | None) -> Opene
         bases = [_rebuild(fields, index, size) for fields, size in zip(exports, sizes)]
     tensors = {name: bases[i][off : off + n] for name, i, off, n in rows}
     return OpenedExports(tensors, bases)
+
+
+class DirectSend(SendPath):
+    """Trainer side: the encoders write into the storage the engine exported with its ``planned`` answer."""
+
+    name = "direct"
+
+    def __init__(self, init: SendInit) -> None:
+        self.device = init.device
+        self.exports: OpenedExports | None = None
+
+    @classmethod
+    def unfit(cls, init: SendInit) -> str | None:
+        engine = init.engine
+        if engine.exportable and engine.device == init.device.type:
+            return None
+        return (
+            f"transport 'direct' needs an engine that exports its storage on this device type "
+            f"({init.device.type}); the engine at {init.address} is on {engine.device} "
+            f"and {'can' if engine.exportable else 'cannot'} export"
+        )
+
+    def prepare(self, plan: RefitPlan) -> None:
+        self.close()  # the engine exports afresh at every plan
+
+    def plan_fields(self) -> dict[str, Any]:
+        return {"transport": DirectLand.wire}
+
+    def adopt(self, reply: dict[str, Any]) -> None:
+        if not isinstance(reply.get("exports"), dict):
+            raise Malformed("planned direct writes without exporting its storage")
+        self.exports = open_exports(reply["exports"], self.device if self.device.type == "cuda" else None)
+
+    def _opened(self) -> OpenedExports:
+        if self.exports is None:
+            raise RuntimeError("the direct transport is not wired: plan first")
+        return self.exports
+
+    def part_view(self, bucket: Bucket, part: Part) -> torch.Tensor:
+        t = part.target
+        return self._opened().tensors[t.param][t.offset : t.offset + t.nbytes]
+
+    def run_view(self, bucket: Bucket, run: Run) -> torch.Tensor:
+        return self._opened().tensors[run.param][run.param_offset : run.param_offset + run.nbytes]
+
+    def check(self) -> None:
+        self._opened().verify()
+
+    def close(self) -> None:
+        if self.exports is not None:
+            self.exports.close()
+            self.exports = None
+
+
+class DirectLand(LandPath):
+    """Engine side: export the storage refits land in; the trainer's writes land there, nothing to copy."""
+
+    wire = "direct"
+
+    @classmethod
+    def refusal(cls, init: LandInit) -> str | None:
+        if not init.exportable:
+            return f"this engine ({init.engine}) cannot export its storage; use buffers"
+        if init.sharded:
+            return (
+                "this engine rank holds slices of some parameters; direct writes place whole tensors, so use buffers or broadcast"
+            )
+        return None
+
+    @classmethod
+    def open(cls, msg: dict[str, Any], plan: RefitPlan, init: LandInit) -> DirectLand:
+        return cls()
+
+    def arrival(self, bucket: Bucket) -> None:
+        return None
+
+    def planned(self, landing: dict[str, torch.Tensor]) -> dict[str, Any]:
+        return {"exports": export_tensors(landing)}
+
+    def close(self) -> None:
+        pass

@@ -193,8 +193,8 @@ def dying_broadcast_trainer(conn, die_at_publish: int) -> None:
     class DyingBroadcastSender(BroadcastSender):
         published = 0
 
-        def _ensure_buffers(self, kind, plan):
-            super()._ensure_buffers(kind, plan)
+        def plan(self, specs):
+            plan = super().plan(specs)
             publish = self.buffers.publish
 
             def publish_or_die(slot: int, nbytes: int) -> None:
@@ -206,6 +206,7 @@ def dying_broadcast_trainer(conn, die_at_publish: int) -> None:
                 publish(slot, nbytes)
 
             self.buffers.publish = publish_or_die
+            return plan
 
     module = models.tiny_qwen3_moe(seed=5)
     engines = conn.recv()

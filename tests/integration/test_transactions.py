@@ -46,7 +46,7 @@ class CorruptingSender(Sender):
     def _ready(self, bucket, version):
         msg = super()._ready(bucket, version)
         if bucket.index == self.corrupt_bucket:
-            view = self._run_view(bucket, bucket.runs[0])
+            view = self.path.run_view(bucket, bucket.runs[0])
             view[view.numel() // 2] ^= 0x5A
         return msg
 

@@ -35,7 +35,7 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -297,6 +297,19 @@ def _fallback_tables(manifest: dict, fp8_block: str = "fp8-block") -> tuple[dict
 
 
 # ---- processing one vLLM module -----------------------------------------------------------
+def _param(module: torch.nn.Module, name: str) -> torch.nn.Parameter:
+    """The module's own parameter ``name`` (KeyError if it has none)."""
+    p = module._parameters[name]
+    if p is None:
+        raise KeyError(f"{type(module).__name__} has no parameter {name!r}")
+    return p
+
+
+def _quant_method(module: torch.nn.Module) -> Any:
+    """A vLLM layer's quant method (vLLM is typed as Any here: its classes vary by release)."""
+    return getattr(module, "quant_method")
+
+
 def _process_with_vllm(module: torch.nn.Module, staged: dict[str, torch.Tensor], rebind: bool = False) -> None:
     """vLLM's layerwise reload for one module, fed whole checkpoint-format params instead of loaders.
 
@@ -320,28 +333,27 @@ def _process_with_vllm(module: torch.nn.Module, staged: dict[str, torch.Tensor],
         getattr(module, attr).data.copy_(t)
     if hasattr(module, "_already_called_process_weights_after_loading"):
         delattr(module, "_already_called_process_weights_after_loading")
-    qm = module.quant_method
+    qm = _quant_method(module)
     built_before = getattr(qm, "moe_kernel", None) is not None
     plain = _plain_kernel_tensors(module)
     qm.process_weights_after_loading(module)
     if replays_expert_post_load(qm, built_before):
         qm.moe_kernel.fused_experts.process_weights_after_loading(module)
     if hasattr(module, "update_param_tp_status"):
-        module.update_param_tp_status()
+        getattr(module, "update_param_tp_status")()
     info.loaded_weights = [(attr, None) for attr in staged]
-    made = dict(module._parameters)
+    made = {n: t for n, t in module._parameters.items() if t is not None}
     _copy_and_restore_kernel_tensors(module, info)
     info.reset()
     _keep_plain_kernel_tensors(module, plain)
     if rebind:
-        kept = module._parameters
+        kept = {n: t for n, t in module._parameters.items() if t is not None}
         _rebind(
             module,
             {
                 id(t): kept[n]
                 for n, t in made.items()
-                if t is not None
-                and kept.get(n) is not None
+                if n in kept
                 and kept[n] is not t
                 and (t.shape, t.dtype, t.device) == (kept[n].shape, kept[n].dtype, kept[n].device)
             },
@@ -417,7 +429,7 @@ def _keep_plain_kernel_tensors(module: torch.nn.Module, before: dict[tuple[str, 
     dtype or device cannot be kept: named in a warning (re-capture graphs after such a refit)."""
     moved = []
     for path, old in before.items():
-        owner = module
+        owner: Any = module
         for attr in path[:-1]:
             owner = getattr(owner, attr, None)
         new = getattr(owner, path[-1], None)
@@ -447,7 +459,9 @@ def _kept_in_place(model: torch.nn.Module) -> Iterator[None]:
     yield
     moved = []
     for module, params, buffers, plain in before:
-        for store, old_items in ((module._parameters, params), (module._buffers, buffers)):
+        # Any: a module's parameter and buffer dicts, one loop for both
+        stores: tuple[tuple[dict[str, Any], dict[str, Any]], ...] = ((module._parameters, params), (module._buffers, buffers))
+        for store, old_items in stores:
             for name, old in old_items.items():
                 new = store.get(name)
                 if old is None or new is None or new is old:
@@ -645,7 +659,7 @@ class VllmEngine(Engine):
         for name in self._params:
             mname, _, attr = name.rpartition(".")
             by_module.setdefault(mname, {})[attr] = name
-        kernel_param_owner = {}
+        kernel_param_owner: dict[int, list[tuple[str, str]]] = {}
         for mname, module in modules.items():
             for attr, p in module.named_parameters(recurse=False):
                 kernel_param_owner.setdefault(id(p), []).append((mname, attr))
@@ -668,7 +682,7 @@ class VllmEngine(Engine):
                         aliases.append((modules[other], other_attr, attr))
             unit = _ModuleUnit(mname, module, attrs, aliases)
             self._module_units.append(unit)
-            units.append(StagedUnit(mname, tuple(attrs.values()), lambda t, u=unit: self._process(u, t)))
+            units.append(StagedUnit(mname, tuple(attrs.values()), self._processing(unit)))
         return units
 
     def _hooks(self) -> list:
@@ -679,6 +693,10 @@ class VllmEngine(Engine):
         refitted = {u.module for u in self._module_units}
         refitted |= {other for u in self._module_units for other, _, _ in u.aliases}
         return module_post_load_hooks(self.model, refitted)
+
+    def _processing(self, unit: _ModuleUnit) -> Callable[[dict[str, torch.Tensor]], None]:
+        """The unit's staged-processing callback; it looks ``_process`` up at each call."""
+        return lambda tensors: self._process(unit, tensors)
 
     def _process(self, unit: _ModuleUnit, tensors: dict[str, torch.Tensor]) -> None:
         if not self._profile:
@@ -705,22 +723,22 @@ class VllmEngine(Engine):
         if _trtllm_moe(module):
             self._trtllm_fast_path(module, staged)
         elif self._layouts is not None and (_marlin_mxfp8(module) or self._learn_quantized and _quantized(module)):
-            self._learned_layout(module, staged)
+            self._learned_layout(self._layouts, module, staged)
         elif _needs_vllm_processing(module):
             _process_with_vllm(module, staged)
         else:
-            for attr, t in staged.items():
-                getattr(module, attr).data.copy_(t)
+            for attr, staged_t in staged.items():
+                getattr(module, attr).data.copy_(staged_t)
         for other, other_attr, attr in unit.aliases:
             if _needs_vllm_processing(other):
                 _process_with_vllm(other, {other_attr: staged[attr]})
 
-    def _learned_layout(self, module: torch.nn.Module, staged: dict[str, torch.Tensor]) -> None:
+    def _learned_layout(self, layouts: LayoutCache, module: torch.nn.Module, staged: dict[str, torch.Tensor]) -> None:
         """Marlin MXFP8 processing as a byte gather learned from vLLM's own processing of the first
         module of each signature (``engine/probed_layout.py``); a signature it refuses keeps vLLM's."""
 
         def kernel() -> dict[str, torch.Tensor]:
-            return {a: module._parameters[a].data for a in staged}
+            return {a: _param(module, a).data for a in staged}
 
         qm = module.quant_method
         key = (
@@ -732,9 +750,9 @@ class VllmEngine(Engine):
             tensor_signature(staged),
             tensor_signature(kernel()),
         )
-        new = key not in self._layouts.entries
+        new = key not in layouts.entries
         experts = staged["w13_weight"].shape[0] if "w13_weight" in staged else 1
-        result = self._layouts.run(
+        result = layouts.run(
             key,
             lambda t: _process_with_vllm(module, t, rebind=True),
             kernel,
@@ -778,11 +796,11 @@ class VllmEngine(Engine):
         }
         with _kept_in_place(self.model):
             initialize_layerwise_reload(self.model)
-            self.model.load_weights(iter(tensors.items()))
+            getattr(self.model, "load_weights")(iter(tensors.items()))  # vLLM's model method
             finalize_layerwise_reload(self.model, self.model_config)
             for module, built_before in built.items():
-                if replays_expert_post_load(module.quant_method, built_before):
-                    module.quant_method.moe_kernel.fused_experts.process_weights_after_loading(module)
+                if replays_expert_post_load(_quant_method(module), built_before):
+                    _quant_method(module).moe_kernel.fused_experts.process_weights_after_loading(module)
 
     # -- Engine --
     def params(self) -> dict[str, ParamSpec]:

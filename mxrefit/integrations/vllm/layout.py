@@ -251,6 +251,13 @@ def _check_quantizable(shape: ModelShape, layout: QuantLayout, w: _Linear) -> No
         )
 
 
+def _held_by(layout: QuantLayout | None) -> QuantLayout:
+    """The layout of a parameter held quantized (``_quantized`` names none without a layout)."""
+    if layout is None:
+        raise AssertionError("a parameter held quantized without a quantized layout")
+    return layout
+
+
 def _check(shape: ModelShape, held: set[str], layout: QuantLayout | None) -> None:
     if (shape.vocab * shape.tp_share) % VOCAB_PADDING:
         raise ValueError(
@@ -260,7 +267,7 @@ def _check(shape: ModelShape, held: set[str], layout: QuantLayout | None) -> Non
         )
     for w in _linear_params(shape):
         if w.name in held:
-            _check_quantizable(shape, layout, w)
+            _check_quantizable(shape, _held_by(layout), w)
 
 
 def vllm_params(
@@ -292,8 +299,9 @@ def vllm_params(
     def add_linear(name: str) -> None:
         shp = linear[name]
         if name in held:
-            add(name, shp, layout.value_dtype)
-            add(layout.scale_param(name), layout.scale_shape(shp), layout.scale_dtype)
+            q = _held_by(layout)
+            add(name, shp, q.value_dtype)
+            add(q.scale_param(name), q.scale_shape(shp), q.scale_dtype)
         else:
             add(name, shp)
 
@@ -311,10 +319,11 @@ def vllm_params(
             if (w13 in held) != (w2 in held):
                 raise ValueError(f"{p}: vLLM quantizes a MoE layer's w13 and w2 together; got only one of them")
             if w13 in held:  # MoE registers both values, then both scales
-                add(w13, linear[w13], layout.value_dtype)
-                add(w2, linear[w2], layout.value_dtype)
-                add(layout.scale_param(w13), layout.scale_shape(linear[w13]), layout.scale_dtype)
-                add(layout.scale_param(w2), layout.scale_shape(linear[w2]), layout.scale_dtype)
+                q = _held_by(layout)
+                add(w13, linear[w13], q.value_dtype)
+                add(w2, linear[w2], q.value_dtype)
+                add(q.scale_param(w13), q.scale_shape(linear[w13]), q.scale_dtype)
+                add(q.scale_param(w2), q.scale_shape(linear[w2]), q.scale_dtype)
             else:
                 add(w13, linear[w13])
                 add(w2, linear[w2])
@@ -398,19 +407,20 @@ def vllm_destinations(
                 f"(rows {row}..{row + rows}, last dim {k})"
             )
         if param in quantized:
-            sname = layout.scale_param(param)
-            scale_row = layout.scale_row(spec.shape[-2], row)
+            q = _held_by(layout)
+            sname = q.scale_param(param)
+            scale_row = q.scale_row(spec.shape[-2], row)
             scale_cols = params[sname].shape[-1]
             targets = (
-                Target(param, row * k * layout.value_dtype.itemsize, tuple(src_shape), layout.value_dtype),
+                Target(param, row * k * q.value_dtype.itemsize, tuple(src_shape), q.value_dtype),
                 Target(
                     sname,
-                    scale_row * scale_cols * layout.scale_dtype.itemsize,
-                    layout.scale_shape(tuple(src_shape)),
-                    layout.scale_dtype,
+                    scale_row * scale_cols * q.scale_dtype.itemsize,
+                    q.scale_shape(tuple(src_shape)),
+                    q.scale_dtype,
                 ),
             )
-            out[name] = Destination(name, layout.format, targets)
+            out[name] = Destination(name, q.format, targets)
         else:
             dt = shape.dtype
             out[name] = Destination(name, FORMAT_BF16, (Target(param, row * k * dt.itemsize, tuple(src_shape), dt),))

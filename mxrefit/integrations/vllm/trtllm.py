@@ -155,20 +155,20 @@ def vllm_mxfp8_units(shape, params: dict, device: torch.device) -> tuple[list, d
             kernel[name] = torch.empty(spec.shape, dtype=spec.dtype, device=device)
             kernel[sname] = torch.zeros(e * scales.out_per_expert, dtype=torch.uint8, device=device)
 
-            def process(t, name=name, sname=sname, values=values, scales=scales):
+            def process_moe(t, name=name, sname=sname, values=values, scales=scales):
                 values(t[name].view(torch.uint8), kernel[name].view(torch.uint8))
                 scales(t[sname], kernel[sname])
 
-            units.append(StagedUnit(name, (name, sname), process))
+            units.append(StagedUnit(name, (name, sname), process_moe))
         else:
             rows, cols = sspec.shape
             layout = LinearScaleLayout(rows, cols, device)
             kernel[sname] = torch.zeros(layout.out_bytes, dtype=torch.uint8, device=device)
 
-            def process(t, sname=sname, layout=layout):
+            def process_linear(t, sname=sname, layout=layout):
                 layout(t[sname], kernel[sname])
 
-            units.append(StagedUnit(sname, (sname,), process))
+            units.append(StagedUnit(sname, (sname,), process_linear))
     return units, kernel
 
 
@@ -185,10 +185,10 @@ def reference_kernel_bytes(name: str, checkpoint: torch.Tensor) -> torch.Tensor:
         e, m, c = rows.shape
         tiles = rows.view(e, m // 128, 4, 32, c // 4, 4).permute(0, 1, 4, 3, 2, 5)
         return tiles.reshape(-1)
-    rows, cols = u8.shape
-    out = torch.zeros(interleaved_size(rows, cols), dtype=torch.uint8, device=u8.device)
-    rp, cp = -(-rows // 128) * 128, -(-cols // 4) * 4
+    n_rows, n_cols = u8.shape
+    out = torch.zeros(interleaved_size(n_rows, n_cols), dtype=torch.uint8, device=u8.device)
+    rp, cp = -(-n_rows // 128) * 128, -(-n_cols // 4) * 4
     padded = torch.zeros(rp, cp, dtype=torch.uint8, device=u8.device)
-    padded[:rows, :cols] = u8
+    padded[:n_rows, :n_cols] = u8
     out.copy_(padded.view(rp // 128, 4, 32, cp // 4, 4).permute(0, 3, 2, 1, 4).reshape(-1))
     return out
