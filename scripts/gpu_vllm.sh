@@ -22,6 +22,8 @@
 #   headline Qwen3-30B-A3B shapes, dummy weights: mxrefit vs vLLM's own IPC path (vllm_headline.py)
 #   trl      TRL 1.16 GRPOTrainer colocate, ~1.7B random Qwen3: TRL's own weight sync vs mxrefit's, per-step sync and
 #            step times (gpu_trl.py; TRL_FMTS=bf16,mxfp8 adds MXFP8); TRL + datasets wheels from .whl/ into /tmp/site4
+#   digests  the 3.54e-4 hunt (docs/vllm.md): dense MXFP8 through the extension, the backend and the learned layout,
+#            sha256 of every parameter, buffer and plain kernel tensor of engine A and of each fresh vLLM compared
 #   bench    issue 23 on the GPU, one command after another (run it alone: it times): the same-process CUDA opens
 #            (pytest), `mxrefit bench` qwen3-30b-a3b 24 layers BF16 beside checkpoint-engine (its wheel from .whl/),
 #            the MXFP8 + TRT-LLM default, and the layer sweep 6,12,24,48 with its fit
@@ -92,6 +94,12 @@ fi
 if has soak; then  # 100 refits of a small MXFP8 MoE with generation between, resources sampled, oracle at the end
   VLLM_ALLOW_INSECURE_SERIALIZATION=1 oracle moe_mxfp8_soak --model moe --fmt mxfp8 --via ext --max-batched-tokens 512 \
     --refits ${SOAK_REFITS:-100} --train-steps 1 --oracle-last --stats-every 10
+fi
+if has digests; then
+  export VLLM_ALLOW_INSECURE_SERIALIZATION=1
+  oracle dense_mxfp8_ext_kd --model dense --fmt mxfp8 --via ext --kernel-digests
+  oracle dense_mxfp8_wt_kd --model dense --fmt mxfp8 --via wt --kernel-digests
+  MXREFIT_LEARNED_LAYOUT=1 oracle dense_mxfp8_learned_kd --model dense --fmt mxfp8 --via ext --kernel-digests
 fi
 has fp8 && oracle dense_fp8block_ext --model dense --fmt fp8-block --via ext
 if has moehang; then

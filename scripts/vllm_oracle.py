@@ -230,6 +230,38 @@ def _stats_in_worker(worker) -> dict:
     return out
 
 
+def _kernel_digests_in_worker(worker) -> dict:
+    """Runs inside vLLM's worker: sha256 of every parameter, buffer and plain kernel tensor
+    (Marlin's workspace and the like) of the live model, to find which one two engines that
+    answer differently hold differently."""
+    import hashlib
+
+    import torch
+
+    from mxrefit.integrations.vllm.engine import _plain_kernel_tensors
+
+    def digest(t) -> str:
+        data = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
+        return hashlib.sha256(data).hexdigest()[:16]
+
+    out = {}
+    for mname, module in worker.model_runner.get_model().named_modules():
+        for attr, t in [*module._parameters.items(), *module._buffers.items()]:
+            if t is not None:
+                out[f"{mname}.{attr}"] = digest(t)
+        for path, t in _plain_kernel_tensors(module).items():
+            if path[-1] != "kv_cache":  # the KV cache holds whatever each engine last computed
+                out[f"{mname}:{'.'.join(path)}"] = digest(t)
+    return out
+
+
+def kernel_diff(a: dict | None, b: dict | None) -> list[str] | None:
+    """Names whose bytes differ between two ``_kernel_digests_in_worker`` results."""
+    if a is None or b is None:
+        return None
+    return sorted(n for n in a.keys() | b.keys() if a.get(n) != b.get(n))
+
+
 def worker_stats(llm) -> dict:
     out = llm.collective_rpc(_stats_in_worker)[0]
     out["device_used_gb"] = used_gb()
@@ -243,6 +275,8 @@ def cmd_answer(args) -> int:
     start_s = time.time() - t0
     out = answers(llm)
     out["start_s"] = start_s
+    if args.kernel_digests:
+        out["kernel"] = llm.collective_rpc(_kernel_digests_in_worker)[0]
     with open(args.json, "w") as f:
         json.dump(out, f)
     log(f"answered {args.ckpt} (start {start_s:.1f} s)")
@@ -281,6 +315,8 @@ def oracle_cmd(args, ckpt: str, out: str) -> list[str]:
         cmd += ["--moe-backend", args.moe_backend]
     if args.max_batched_tokens:
         cmd += ["--max-batched-tokens", str(args.max_batched_tokens)]
+    if args.kernel_digests:
+        cmd.append("--kernel-digests")
     return cmd
 
 
@@ -383,6 +419,8 @@ def cmd_run(args) -> int:
             report = refit()
             llm.reset_prefix_cache()
             now = answers(llm)
+            if args.kernel_digests:
+                now["kernel"] = llm.collective_rpc(_kernel_digests_in_worker)[0]
             ck = os.path.join(work, f"ckpt{step}")
             save_checkpoint(policy, ck, args.fmt)
             out = os.path.join(work, f"oracle{step}.json")
@@ -447,6 +485,8 @@ def cmd_run(args) -> int:
                     oracle = json.load(f)
                 entry["oracle"] = oracle
                 entry["vs_oracle"] = compare(entry["engine"], oracle)
+                if args.kernel_digests:
+                    entry["vs_oracle"]["kernel_diff"] = kernel_diff(entry["engine"].get("kernel"), oracle.get("kernel"))
             else:
                 entry["vs_oracle"] = {"error": f"oracle exited {rc}"}
             log(f"{tag}: step {step} vs fresh vLLM: {entry['vs_oracle']}")
@@ -518,6 +558,12 @@ def main() -> int:
     p.add_argument("--sleep", action="store_true", help="engine A with enable_sleep_mode; sleep(1)/wake_up before each refit")
     p.add_argument("--oracle-last", action="store_true", help="a fresh vLLM only after the last refit (soak)")
     p.add_argument("--stats-every", type=int, default=0, help="sample the worker's RSS, fds, maps, memory every N refits")
+    p.add_argument(
+        "--kernel-digests",
+        action="store_true",
+        help="sha256 of every parameter, buffer and plain kernel tensor of engine A and of each fresh vLLM, "
+        "compared after every refit (needs VLLM_ALLOW_INSECURE_SERIALIZATION=1)",
+    )
     p.add_argument("--ckpt")
     p.add_argument("--dir")
     p.add_argument("--json")
