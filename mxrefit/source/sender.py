@@ -176,6 +176,7 @@ class Sender:
         self._adoptions: list[str] = []
         self._last_sources: list[torch.Tensor] | None = None
         self._unfinished: int | None = None
+        self.begins_sent = 0  # "begin" messages sent, so a caller knows whether a failed refit reached the engine
         self._bucket_encoders: list[list[tuple[list[int], Any]]] = []
         self._sums: list[ByteSum] = []
         self._finite: FiniteCheck | None = None
@@ -403,6 +404,7 @@ class Sender:
         self._unfinished = version
         acked = 0
         try:
+            self.begins_sent += 1
             self._request(
                 {
                     "op": Op.BEGIN,

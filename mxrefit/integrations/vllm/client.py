@@ -25,9 +25,12 @@ def refit_while(serve, sender, tensors, *, specs=None, until_shutdown: bool = Fa
     returned the answers of workers that failed, see ``worker_results``).
 
     How the serve ends:
-    - ``until_shutdown=False``: ``serve()`` serves one refit (``mxrefit_receive``'s default),
-      which ends it; a refit refused before it began (plan mismatch, NaN/Inf) is ended here
-      with a "shutdown", so the worker is free for the next RPC.
+    - ``until_shutdown=False``: ``serve()`` serves one refit (``mxrefit_receive``'s default):
+      the engine's serve ends at the refit's "begin", whatever follows (a refit that fails after
+      it is aborted there). A refit refused before its "begin" (plan mismatch, NaN/Inf) is ended
+      here with a "shutdown", so the worker is free for the next RPC. Only then: a "shutdown"
+      sent after a "begin" would reach no serve, wait in the engine's socket and end the next
+      one before its refit.
     - ``until_shutdown=True``: ``serve()`` serves until the trainer says "shutdown"
       (``collective_rpc("mxrefit_receive", kwargs={"refits": None})``), and this sends it after
       every refit, complete or failed. Required for a ``BroadcastSender``: after a failure it
@@ -55,15 +58,16 @@ def refit_while(serve, sender, tensors, *, specs=None, until_shutdown: bool = Fa
             pass
 
     thread = threading.Thread(target=run, name="mxrefit-serve", daemon=True)
+    begins = sender.begins_sent
     thread.start()
     try:
         if sender.plan_ is None and specs is not None:
             sender.plan(specs)
         report = sender.refit(tensors)
     except BaseException:
-        # with one-refit serves: refused before "begin" (plan mismatch, NaN/Inf), the engine
-        # still serves; end that serve so the worker is free for the next RPC
-        if until_shutdown or thread.is_alive():
+        # a one-refit serve that got this refit's "begin" ends by itself; one refused before it
+        # (plan mismatch, NaN/Inf) still serves: end it so the worker is free for the next RPC
+        if until_shutdown or sender.begins_sent == begins:
             end_serve("ending the engine's serve after a refused refit")
         raise
     else:
