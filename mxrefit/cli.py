@@ -80,12 +80,14 @@ def main(argv: list[str] | None = None) -> int:
             "baseline",
             "prequant",
             "prequant-buffers",
+            "prequant-fused",
             "prequant-verify",
             "prequant-transactional",
         ),
         help="both = baseline + prequant; all adds prequant-buffers (mxrefit through transfer buffers); "
-        "checks = prequant, prequant-verify (per-bucket integrity sums) and prequant-transactional "
-        "(the engine receives into a shadow and commits a complete refit)",
+        "checks = prequant, prequant-fused (check_finite=False: the non-finite screen runs inside the "
+        "encoders, one read of the weights instead of two), prequant-verify (per-bucket integrity sums) "
+        "and prequant-transactional (the engine receives into a shadow and commits a complete refit)",
     )
     b.add_argument("--bucket-mb", type=int, default=512, help="transfer bucket size (raised to the largest tensor)")
     b.add_argument(

@@ -53,8 +53,9 @@ from mxrefit.transport.factory import default_kind
 
 MODES = ("baseline", "prequant")
 ALL_MODES = ("baseline", "prequant", "prequant-buffers")
-# what the safety options cost: per-bucket integrity sums, and receiving into a shadow committed whole
-CHECK_MODES = ("prequant", "prequant-verify", "prequant-transactional")
+# what the safety options cost: per-bucket integrity sums, receiving into a shadow committed whole,
+# and the non-finite screen fused into encoding (check_finite=False: one read of the sources, not two)
+CHECK_MODES = ("prequant", "prequant-fused", "prequant-verify", "prequant-transactional")
 POST = ("trtllm", "none")
 FORMATS = ("mxfp8", "fp8-block", "fp8-block-ue8m0", "bf16")
 
@@ -296,6 +297,7 @@ def run_mode(
                 timeout_s=timeout_s,
                 transport=transport,
                 verify=mode == "prequant-verify",
+                check_finite=mode != "prequant-fused",
             )
             sender.plan([SourceSpec(n, tuple(t.shape), t.dtype) for n, t in weights.items()])
         reports = []
@@ -312,6 +314,7 @@ def run_mode(
         if prequant is not None:
             result["transport"] = prequant.transport
             result["verify"] = prequant.verify
+            result["check_finite"] = prequant.check_finite
             result["check"] = _sample_check(
                 prequant, shape, vllm_destinations(shape, fmt=fmt, experts=experts), weights, post, fmt
             )

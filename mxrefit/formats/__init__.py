@@ -5,6 +5,12 @@ becomes (shape, dtype each), ``check_source`` rejects sources it cannot encode, 
 ``encoder`` is built once per bucket for fixed destinations and then, every step, writes the
 whole group of sources into their parts (one launch per group where the format has a fused
 kernel), so per-step work does not grow with the tensor count.
+
+Non-finite input: the sender either screens every source in a pass of its own before any byte
+moves (``check_finite=True``, the default), or builds its encoders with ``screen=True``
+(``check_finite=False``), and then every format reports NaN/Inf in ``bad`` in the same pass
+that encodes: the quantized formats always do (their kernels see each block's amax), the
+passthrough format only when asked, so the default path does not test its bytes twice.
 """
 
 from __future__ import annotations
@@ -15,8 +21,10 @@ from typing import Callable, Sequence
 
 import torch
 
+from mxrefit.devices import triton_kernels
 from mxrefit.formats import fp8_block, mxfp8
 from mxrefit.formats._common import NonFiniteError
+from mxrefit.formats.finite_check import FiniteCheck
 
 
 @dataclass(frozen=True)
@@ -41,12 +49,20 @@ class Format(ABC):
         """Raise ValueError naming ``name`` and the rule if this source cannot be encoded."""
 
     @abstractmethod
-    def encoder(self, sources: Sequence[tuple[tuple[int, ...], torch.dtype]], outs: Sequence[Sequence[torch.Tensor]]) -> Encoder:
+    def encoder(
+        self,
+        sources: Sequence[tuple[tuple[int, ...], torch.dtype]],
+        outs: Sequence[Sequence[torch.Tensor]],
+        *,
+        screen: bool = False,
+    ) -> Encoder:
         """Build, once, the step function that encodes sources of these specs into ``outs``.
 
         The returned callable takes the step's source tensors (in the same order) and an int32
         ``bad`` flag on the destination's device, which receives the smallest index of a
-        source found non-finite (formats that cannot see it leave it untouched).
+        source found non-finite. With ``screen`` (no separate screen ran) every format must
+        report every non-finite source there; without, a format may leave ``bad`` untouched
+        (the sender screened already) and should not spend a second read on it.
         """
 
 
@@ -62,14 +78,50 @@ class Passthrough(Format):
         if not (dtype.is_floating_point and dtype.itemsize >= 2):
             raise ValueError(f"tensor {name!r}: a {dtype} source cannot be sent as a plain floating-point weight")
 
-    def encoder(self, sources, outs):
+    def encoder(self, sources, outs, *, screen=False):
         dsts = [o[0] for o in outs]
+        if not screen:
 
-        def encode(step_sources, bad):
-            if dsts:
-                torch._foreach_copy_(dsts, list(step_sources))
+            def copy(step_sources, bad):
+                if dsts:
+                    torch._foreach_copy_(dsts, list(step_sources))
 
-        return encode
+            return copy
+        return _screening_copy(sources, dsts)
+
+
+def _screening_copy(sources: Sequence[tuple[tuple[int, ...], torch.dtype]], dsts: list[torch.Tensor]) -> Encoder:
+    """Passthrough with the fused screen: where Triton runs, one launch per source dtype copies
+    same-dtype sources and tests their exponent bits in the same read
+    (``_passthrough_triton.CopyGroup``); every other source (another dtype than its
+    destination's, or no Triton) is copied by ``_foreach_copy_`` and then screened
+    (``FiniteCheck``: ``_foreach_norm`` on CPU)."""
+    device = dsts[0].device if dsts else torch.device("cpu")
+    kernels = triton_kernels("mxrefit.formats._passthrough_triton", device)
+    groups = []  # (indices, launch) per dtype the kernel copies
+    rest = list(range(len(sources)))
+    if kernels is not None:
+        for dtype in kernels.DTYPES:
+            idx = [i for i in rest if sources[i][1] == dtype and dsts[i].dtype == dtype]
+            if idx:
+                numels = [dsts[i].numel() for i in idx]
+                groups.append((idx, kernels.CopyGroup(numels, dtype, [dsts[i] for i in idx], idx, device)))
+        grouped = {i for idx, _ in groups for i in idx}
+        rest = [i for i in rest if i not in grouped]
+    rest_dsts = [dsts[i] for i in rest]
+    check = FiniteCheck([sources[i] for i in rest], device) if rest else None
+
+    def encode(step_sources, bad):
+        for idx, launch in groups:
+            launch([step_sources[i] for i in idx], bad)
+        if check is not None:
+            srcs = [step_sources[i] for i in rest]
+            torch._foreach_copy_(rest_dsts, srcs)
+            first = check.first_bad(srcs)
+            if first is not None:
+                bad.fill_(min(int(bad.item()), rest[first]))
+
+    return encode
 
 
 def _kernel_encoder(
@@ -123,7 +175,7 @@ class MXFP8(Format):
     def check_source(self, name, shape, dtype):
         mxfp8.check_quantizable(tuple(shape), dtype, name)
 
-    def encoder(self, sources, outs):
+    def encoder(self, sources, outs, *, screen=False):  # the kernels and the torch path always report
         kernels = mxfp8._triton_module()
         min_byte = self.min_byte
         make_group = None
@@ -160,7 +212,7 @@ class FP8Block(Format):
     def check_source(self, name, shape, dtype):
         fp8_block.check_quantizable(tuple(shape), dtype, name)
 
-    def encoder(self, sources, outs):
+    def encoder(self, sources, outs, *, screen=False):  # the kernels and the torch path always report
         kernels = fp8_block._triton_module()
         use_ue8m0 = self.use_ue8m0
         make_group = None

@@ -11,7 +11,8 @@ interface (``mxrefit.transport.base.SendPath``):
   loop over broadcast buffers: ``publish`` starts a collective per bucket, each engine rank
   ``fetch``-es it into its own slot (``mxrefit.transport.broadcast``).
 Per step the work is: check the tensors are the planned ones (identity-cached), one
-non-finite screen over every tensor (``mxrefit.formats.finite_check``), then per bucket one grouped
+non-finite screen over every tensor (``mxrefit.formats.finite_check``; with ``check_finite=False``
+the encoders screen in the same pass instead), then per bucket one grouped
 launch per format + a "ready" message; the engine answers "applied" once the bucket's bytes
 are in place (and processed, for engines that post-process), and bucket *i* is encoded only
 after bucket *i - slots* was applied.
@@ -121,7 +122,12 @@ class Sender:
         verify: bool = False,
         rules: QuantRules | None = None,
     ):
-        """``verify``: per-bucket integrity sums (``mxrefit.transport.bytesum``) checked by the engine
+        """``check_finite``: True (default) screens every source for NaN/Inf in a pass of its own
+        before any byte moves, so bad input changes no engine byte (the sources are read twice);
+        False screens while encoding (the fused screen, one read): a non-finite source aborts
+        the refit naming it, the engine stays ``partial`` at its last complete version, and the
+        next good refit repairs it.
+        ``verify``: per-bucket integrity sums (``mxrefit.transport.bytesum``) checked by the engine
         before it applies a bucket; a mismatch fails the refit with the bucket named.
         ``rules``: the trainer's own quantization rules; the plan is refused (PlanMismatch naming
         each tensor) where the engine's tables quantize differently."""
@@ -313,7 +319,7 @@ class Sender:
             for fmt_name, idx in by_format.items():
                 specs = [(plan.sources[i].shape, plan.sources[i].dtype) for i in idx]
                 outs = [[v for v in views[i] if v is not None] for i in idx]
-                encs.append((idx, get_format(fmt_name).encoder(specs, outs)))
+                encs.append((idx, get_format(fmt_name).encoder(specs, outs, screen=not self.check_finite)))
             self._bucket_encoders.append(encs)
         self._bad = bad_flag(self.device)
         self._sums = [ByteSum([path.run_view(b, r) for r in b.runs]) for b in plan.buckets] if self.verify else []

@@ -55,7 +55,7 @@ def test_bench_with_grouped_expert_slabs(tmp_path):
 
 
 def test_bench_checks_modes_price_verify_and_transactions(tmp_path):
-    """`--mode checks`: plain, per-bucket integrity sums, and a transactional engine, each bit-exact."""
+    """`--mode checks`: plain, the fused non-finite screen, per-bucket integrity sums, and a transactional engine, each bit-exact."""
     out = tmp_path / "checks.json"
     run = subprocess.run(
         [
@@ -79,10 +79,11 @@ def test_bench_checks_modes_price_verify_and_transactions(tmp_path):
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     modes = json.loads(out.read_text())["modes"]
-    assert list(modes) == ["prequant", "prequant-verify", "prequant-transactional"]
+    assert list(modes) == ["prequant", "prequant-fused", "prequant-verify", "prequant-transactional"]
     assert all(m["check"]["mismatched"] == [] for m in modes.values())
-    assert [m["verify"] for m in modes.values()] == [False, True, False]
-    assert [m["engine_transactional"] for m in modes.values()] == [False, False, True]
+    assert [m["check_finite"] for m in modes.values()] == [True, False, True, True]
+    assert [m["verify"] for m in modes.values()] == [False, False, True, False]
+    assert [m["engine_transactional"] for m in modes.values()] == [False, False, False, True]
 
 
 def test_bench_fp8_block_engine_bytes_match(tmp_path):

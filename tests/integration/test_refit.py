@@ -188,3 +188,31 @@ def test_engine_refuses_a_plan_that_is_not_its_own():
         assert sender.status() == {"version": 0, "state": "ready", "error": None}
     finally:
         engine.stop(sender)
+
+
+@pytest.mark.parametrize("quant", [None, "mxfp8"], ids=["bf16", "mxfp8"])
+def test_fused_screen_aborts_on_a_non_finite_passthrough_tensor_and_the_next_refit_repairs(quant):
+    """``check_finite=False``: the passthrough copy screens what it copies (norms here, in every
+    mode); the abort names the tensor, leaves the engine ``partial`` at its last complete version,
+    and the next good refit repairs it."""
+    engine = EngineProcess(quant=quant)
+    sender = Sender(engine.address, engine.token, bucket_bytes=32 << 10, check_finite=False)
+    try:
+        sender.refit(tiny_weights(61))
+        plan = sender.plan_
+        norms = [i for i, s in enumerate(plan.sources) if plan.formats[i] == "bf16" and "layernorm" in s.name]
+        bucket_of = {i: b.index for b in plan.buckets for i in b.sources}
+        culprit = norms[len(norms) // 2]
+        name = plan.sources[culprit].name
+        assert bucket_of[culprit] > 0, "some buckets land first"
+        bad = tiny_weights(62)
+        bad[name].view(-1)[-1] = float("nan")
+        with pytest.raises(RefitError, match=re.escape(f"non-finite values in [{name!r}] found while packing")):
+            sender.refit(bad)  # without the passthrough screen this refit would pass and ship the NaN
+        assert sender.status()["version"] == 1 and sender.status()["state"] == "partial"
+        repaired = tiny_weights(63)
+        assert sender.refit(repaired).version == 2
+        assert sender.status() == {"version": 2, "state": "ready", "error": None}
+        assert engine_matches(sender, repaired) == []
+    finally:
+        engine.stop(sender)

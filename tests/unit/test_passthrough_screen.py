@@ -1,0 +1,148 @@
+"""The passthrough format's fused screen (``check_finite=False``): bytes copied exactly, the
+smallest non-finite source index reported; the Triton kernel under its CPU interpreter and the
+torch path (foreach copy + ``FiniteCheck``) agree."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mxrefit.formats import Passthrough
+from mxrefit.formats._common import NO_BAD, bad_flag, first_bad
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+BAD_VALUES = (float("nan"), float("inf"), float("-inf"))
+
+
+def _sources(seed: int) -> list[torch.Tensor]:
+    """Each dtype at odd sizes (one spanning several small chunks with a ragged tail), plus finite extremes."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(7,), (33, 65), (3, 5, 129), (1,), (2, 1001), (5,)]
+    out = [torch.randn(s, generator=g).to(DTYPES[i % 3]) for i, s in enumerate(shapes)]
+    out.append(
+        torch.tensor([torch.finfo(torch.bfloat16).max, -torch.finfo(torch.bfloat16).max, 1e-40, -0.0], dtype=torch.bfloat16)
+    )
+    out.append(torch.tensor([65504.0, -65504.0, 6e-8, -0.0], dtype=torch.float16))
+    out.append(torch.tensor([3.4e38, -3.4e38, 1e-45, -0.0], dtype=torch.float32))
+    return out
+
+
+def _encoder(srcs: list[torch.Tensor], screen: bool = True):
+    dsts = [torch.full_like(s, 7.0) for s in srcs]
+    enc = Passthrough().encoder([(tuple(s.shape), s.dtype) for s in srcs], [[d] for d in dsts], screen=screen)
+    return enc, dsts
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _check_all(positions=("first", "middle", "last")) -> None:
+    clean = _sources(0)
+    enc, dsts = _encoder(clean)
+    bad = bad_flag(torch.device("cpu"))
+    enc(clean, bad)
+    assert int(bad.item()) == NO_BAD  # the negative control: all finite, the flag untouched
+    assert all(torch.equal(_bits(d), _bits(s)) for d, s in zip(dsts, clean))
+    for value in BAD_VALUES:
+        for where in range(len(clean)):
+            for pos in positions:
+                ts = _sources(0)
+                flat = ts[where].view(-1)
+                flat[{"first": 0, "middle": flat.numel() // 2, "last": -1}[pos]] = value
+                bad.fill_(NO_BAD)
+                enc(ts, bad)
+                assert first_bad(bad) == where, (value, where, pos)
+                assert all(torch.equal(_bits(d), _bits(s)) for d, s in zip(dsts, ts)), "every byte is copied either way"
+                if where + 2 < len(ts):  # two bad sources: the smaller index is reported
+                    ts[where + 2].view(-1)[-1] = value
+                    bad.fill_(NO_BAD)
+                    enc(ts, bad)
+                    assert first_bad(bad) == where, (value, where, pos, "two")
+
+
+def test_torch_path_copies_and_reports_the_first_bad_source():
+    _check_all()
+
+
+def test_without_screen_the_copy_leaves_bad_untouched():
+    """The default sender screened already: the encoder must not spend a second read."""
+    ts = _sources(0)
+    ts[2].view(-1)[0] = float("nan")
+    enc, dsts = _encoder(ts, screen=False)
+    bad = bad_flag(torch.device("cpu"))
+    enc(ts, bad)
+    assert int(bad.item()) == NO_BAD
+    assert all(torch.equal(_bits(d), _bits(s)) for d, s in zip(dsts, ts))
+
+
+def test_a_cast_to_the_engine_dtype_is_screened_on_the_source():
+    """An FP32 source into a BF16 destination takes the torch path (the kernel copies same-dtype words)."""
+    src = torch.randn(300)
+    src[-1] = float("nan")
+    dst = torch.zeros(300, dtype=torch.bfloat16)
+    enc = Passthrough().encoder([((300,), torch.float32)], [[dst]], screen=True)
+    bad = bad_flag(torch.device("cpu"))
+    enc([src], bad)
+    assert first_bad(bad) == 0 and torch.equal(dst[:-1], src[:-1].bfloat16())
+
+
+_INTERPRETED = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from mxrefit.formats import _passthrough_triton as k
+from tests.unit import test_passthrough_screen as t
+
+real = k.CopyGroup
+for chunk, block, positions in ((k.CHUNK, 2048, ("last",)), (256, 64, ("first", "middle", "last"))):
+    # the small chunks: several programs per tensor, a ragged last chunk and block
+    built = []
+    def counting(*a, **kw):
+        built.append(real(*a, chunk=chunk, block=block, **kw))
+        return built[-1]
+    k.CopyGroup = counting
+    t._check_all(positions)
+    assert [g.dtype for g in built] == list(k.DTYPES), built  # every source through the kernel: one launch per dtype
+    assert sum(g.table.programs for g in built) == sum(-(-s.numel() // chunk) for s in t._sources(0))
+print("ok")
+"""
+
+
+def test_triton_kernel_under_the_interpreter_copies_and_flags():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run(
+        [sys.executable, "-c", _INTERPRETED, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0 and "ok" in run.stdout, run.stdout[-2000:] + run.stderr[-3000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernel needs a GPU")
+def test_triton_kernel_on_the_gpu_copies_and_flags():
+    def make(srcs, screen=True):
+        return _encoder([s.cuda() for s in srcs], screen)
+
+    def cuda_check():
+        clean = [s.cuda() for s in _sources(0)]
+        enc, dsts = make(clean)
+        bad = bad_flag(torch.device("cuda"))
+        enc(clean, bad)
+        assert int(bad.item()) == NO_BAD
+        assert all(torch.equal(_bits(d), _bits(s)) for d, s in zip(dsts, clean))
+        for value in BAD_VALUES:
+            for where in range(len(clean)):
+                ts = [s.cuda() for s in _sources(0)]
+                ts[where].view(-1)[-1] = value
+                bad.fill_(NO_BAD)
+                enc(ts, bad)
+                assert first_bad(bad) == where
+
+    cuda_check()
