@@ -202,10 +202,11 @@ def serve_rollouts(conn, path: str, fmt: str, device: str) -> None:
     from transformers.utils import logging as hf_logging
 
     from mxrefit import Receiver
-    from mxrefit.devices import bind
 
     hf_logging.disable_progress_bar()
-    dev = bind(device)
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)  # the engine's kernels and exports on this GPU
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(dev).eval()
     receiver = Receiver(_rollout_engine_class()(model, mxfp8=fmt == "mxfp8"), timeout_s=120)
     conn.send_bytes(msgpack.packb({"address": receiver.address, "token": receiver.token}))

@@ -140,8 +140,7 @@ def as_engine_holds(policy: torch.nn.Module, fmt: str) -> torch.nn.Module:
     quantized weight dequantized from mxrefit's bytes, which equal vLLM's own quantization)."""
     import copy
 
-    from mxrefit import mxfp8
-    from mxrefit.plan.eligibility import DEFAULT_RULES
+    from mxrefit import DEFAULT_RULES, mxfp8
 
     model = copy.deepcopy(policy).to(torch.bfloat16).eval()
     model.gradient_checkpointing_disable()  # generate needs its KV cache
@@ -157,9 +156,7 @@ def as_engine_holds(policy: torch.nn.Module, fmt: str) -> torch.nn.Module:
 def reload_reference(generation, fmt: str) -> None:
     """vLLM's own loader (``reload_weights``) fed TRL's parameter walk; for MXFP8 the walk's
     eligible weights become E4M3 values + scales, as in a ModelOpt MXFP8 checkpoint."""
-    from mxrefit import mxfp8
-    from mxrefit.plan.eligibility import DEFAULT_RULES
-    from mxrefit.source.checkpoint import SCALE_SUFFIX
+    from mxrefit import DEFAULT_RULES, mxfp8
 
     quantized = DEFAULT_RULES.decide((n, tuple(t.shape)) for n, t in generation._iter_named_params())
 
@@ -168,7 +165,7 @@ def reload_reference(generation, fmt: str) -> None:
             if fmt == "mxfp8" and quantized[name]:
                 values, scales = mxfp8.quantize(t.contiguous(), name=name)
                 yield name, values
-                yield name + SCALE_SUFFIX, scales
+                yield name + "_scale", scales  # ModelOpt MXFP8 checkpoints name the scales <weight>_scale
             else:
                 yield name, t
 
