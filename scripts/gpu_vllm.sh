@@ -83,9 +83,9 @@ if has marlin; then  # every Marlin engine (dense and MoE MXFP8) and the MoE wei
   oracle moe_bf16_wt --model moe --fmt bf16 --via wt
 fi
 if has learned; then  # the Marlin MXFP8 engines with MXREFIT_LEARNED_LAYOUT=1 (a byte gather learned from vLLM's processing)
-  MXREFIT_LEARNED_LAYOUT=1 oracle dense_mxfp8_learned --model dense --fmt mxfp8 --via ext
-  MXREFIT_LEARNED_LAYOUT=1 oracle moe_mxfp8_learned --model moe --fmt mxfp8 --via ext --max-batched-tokens 512
-  MXREFIT_LEARNED_LAYOUT=1 oracle moe_mxfp8_learned_wt --model moe --fmt mxfp8 --via wt --max-batched-tokens 512
+  VLLM_ALLOW_INSECURE_SERIALIZATION=1 MXREFIT_LEARNED_LAYOUT=1 oracle dense_mxfp8_learned --model dense --fmt mxfp8 --via ext
+  VLLM_ALLOW_INSECURE_SERIALIZATION=1 MXREFIT_LEARNED_LAYOUT=1 oracle moe_mxfp8_learned --model moe --fmt mxfp8 --via ext --max-batched-tokens 512
+  VLLM_ALLOW_INSECURE_SERIALIZATION=1 MXREFIT_LEARNED_LAYOUT=1 oracle moe_mxfp8_learned_wt --model moe --fmt mxfp8 --via wt --max-batched-tokens 512
 fi
 if has sleep; then  # vLLM's sleep mode: sleep(level=1) / wake_up before every refit
   oracle dense_bf16_sleep --model dense --fmt bf16 --via ext --sleep
@@ -99,7 +99,7 @@ if has digests; then
   export VLLM_ALLOW_INSECURE_SERIALIZATION=1
   oracle dense_mxfp8_ext_kd --model dense --fmt mxfp8 --via ext --kernel-digests
   oracle dense_mxfp8_wt_kd --model dense --fmt mxfp8 --via wt --kernel-digests
-  MXREFIT_LEARNED_LAYOUT=1 oracle dense_mxfp8_learned_kd --model dense --fmt mxfp8 --via ext --kernel-digests
+  VLLM_ALLOW_INSECURE_SERIALIZATION=1 MXREFIT_LEARNED_LAYOUT=1 oracle dense_mxfp8_learned_kd --model dense --fmt mxfp8 --via ext --kernel-digests
 fi
 has fp8 && oracle dense_fp8block_ext --model dense --fmt fp8-block --via ext
 if has moehang; then

@@ -255,6 +255,19 @@ def _kernel_digests_in_worker(worker) -> dict:
     return out
 
 
+def _learned_in_worker(worker) -> dict:
+    """Runs inside vLLM's worker: the learned layouts of whichever mxrefit engine refits it
+    (the worker extension's or the weight-transfer backend's), by module signature."""
+    engines = []
+    ext = getattr(worker, "_mxrefit", None)
+    if ext is not None:
+        engines.append(ext.engine)
+    receiver = getattr(getattr(worker, "weight_transfer_engine", None), "receiver", None)
+    if receiver is not None:
+        engines.append(receiver.engine)
+    return {k: v for e in engines for k, v in getattr(e, "learned_layouts", {}).items()}
+
+
 def kernel_diff(a: dict | None, b: dict | None) -> list[str] | None:
     """Names whose bytes differ between two ``_kernel_digests_in_worker`` results."""
     if a is None or b is None:
@@ -421,6 +434,7 @@ def cmd_run(args) -> int:
             now = answers(llm)
             if args.kernel_digests:
                 now["kernel"] = llm.collective_rpc(_kernel_digests_in_worker)[0]
+            learned = llm.collective_rpc(_learned_in_worker)[0] if os.environ.get("MXREFIT_LEARNED_LAYOUT") else None
             ck = os.path.join(work, f"ckpt{step}")
             save_checkpoint(policy, ck, args.fmt)
             out = os.path.join(work, f"oracle{step}.json")
@@ -438,6 +452,7 @@ def cmd_run(args) -> int:
                 "engine": now,
                 "changed": now["tokens"] != previous["tokens"] or now != previous,
                 "sleep": slept,
+                "learned_layouts": learned,
             }
             result["steps"].append(entry)
             log(
