@@ -229,6 +229,27 @@ def test_a_rank_that_never_joins_is_named_at_the_rendezvous_timeout_then_refits_
         ranks.stop(sender)
 
 
+def test_fused_screen_a_nan_in_a_norm_aborts_every_rank_then_repairs():
+    """``check_finite=False`` (no separate screen): the passthrough copy finds the NaN while
+    packing; every rank is aborted, left partial at the last version, and the next refit repairs."""
+    ranks = Ranks([{}, {}])
+    sender = BroadcastSender(ranks.engines, bucket_bytes=BUCKET, timeout_s=30, check_finite=False)
+    try:
+        assert sender.refit(_weights(11)).version == 1
+        bad = _weights(12)
+        name = "model.layers.1.post_attention_layernorm.weight"
+        bad[name][7] = float("nan")
+        with pytest.raises(RefitError, match=name) as err:
+            sender.refit(bad)
+        assert [(r["version"], r["state"]) for r in err.value.engine_status["ranks"]] == [(1, "partial")] * 2
+        weights = _weights(13)
+        assert sender.refit(weights).version == 2
+        for i in range(2):
+            assert rank_matches(sender, i, weights) == [], f"engine {i}"
+    finally:
+        ranks.stop(sender)
+
+
 def test_ranks_with_different_models_are_refused_by_name():
     ranks = Ranks([{"mxfp8": True}, {"mxfp8": False}])
     sender = BroadcastSender(ranks.engines, bucket_bytes=BUCKET, timeout_s=10, rendezvous_timeout_s=10)
