@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 
@@ -12,6 +15,20 @@ from mxrefit.formats import fp8_block, mxfp8
 from mxrefit.plan.types import Destination
 
 Take = Callable[[str, torch.Tensor], torch.Tensor]
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_under_triton_interpreter(script: str, timeout_s: float = 600) -> None:
+    """Run ``script`` (given the repository root as its argument) in a fresh Python with
+    ``TRITON_INTERPRET=1``, which Triton reads at import, and require it to print "ok"."""
+    run = subprocess.run(
+        [sys.executable, "-c", script, ROOT],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    assert run.returncode == 0 and "ok" in run.stdout, run.stdout[-2000:] + run.stderr[-3000:]
 
 
 def sha(t: torch.Tensor) -> str:

@@ -19,6 +19,7 @@ from mxrefit.integrations.vllm.trtllm import (
     interleaved_size,
     moe_row_permutation,
 )
+from tests.helpers.checks import run_under_triton_interpreter
 
 pytest.importorskip("vllm.model_executor.layers.fused_moe", reason="needs vLLM")  # import order: avoids a cycle
 vllm_fi = pytest.importorskip("vllm.model_executor.layers.quantization.utils.flashinfer_utils", reason="needs vLLM")
@@ -181,15 +182,4 @@ print("ok")
 
 def test_triton_layout_kernels_under_the_interpreter_equal_vllm():
     pytest.importorskip("triton")
-    import os
-    import subprocess
-    import sys
-
-    run = subprocess.run(
-        [sys.executable, "-c", _INTERPRETED, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert run.returncode == 0 and "ok" in run.stdout, run.stdout[-2000:] + run.stderr[-3000:]
+    run_under_triton_interpreter(_INTERPRETED, timeout_s=900)

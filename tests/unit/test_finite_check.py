@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from mxrefit.formats.finite_check import FiniteCheck
+from tests.helpers.checks import run_under_triton_interpreter
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -78,15 +75,7 @@ print("ok")
 
 def test_triton_kernel_under_the_interpreter_agrees():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run(
-        [sys.executable, "-c", _INTERPRETED, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0 and "ok" in run.stdout, run.stdout[-2000:] + run.stderr[-3000:]
+    run_under_triton_interpreter(_INTERPRETED)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernel needs a GPU")
