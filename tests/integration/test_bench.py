@@ -8,14 +8,16 @@ import subprocess
 import sys
 
 
+def bench(*args: str, timeout_s: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``python -m mxrefit bench ARGS``, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "mxrefit", "bench", *args], capture_output=True, text=True, timeout=timeout_s, env=env
+    )
+
+
 def test_bench_cli_runs_and_engine_bytes_match(tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
-    run = subprocess.run(
-        [sys.executable, "-m", "mxrefit", "bench", "--steps", "2", "--no-progress", "--json", str(out), "--plot", str(png)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    run = bench("--steps", "2", "--no-progress", "--json", str(out), "--plot", str(png))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
     assert set(result["modes"]) == {"baseline", "prequant"}
@@ -28,26 +30,7 @@ def test_bench_cli_runs_and_engine_bytes_match(tmp_path):
 
 def test_bench_with_grouped_expert_slabs(tmp_path):
     out = tmp_path / "grouped.json"
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mxrefit",
-            "bench",
-            "--steps",
-            "1",
-            "--mode",
-            "prequant",
-            "--experts",
-            "grouped",
-            "--no-progress",
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    run = bench("--steps", "1", "--mode", "prequant", "--experts", "grouped", "--no-progress", "--json", str(out))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["modes"]["prequant"]["check"]["mismatched"] == []
@@ -57,26 +40,7 @@ def test_bench_with_grouped_expert_slabs(tmp_path):
 def test_bench_checks_modes_price_verify_and_transactions(tmp_path):
     """`--mode checks`: plain, the fused non-finite screen, per-bucket integrity sums, and a transactional engine, each bit-exact."""
     out = tmp_path / "checks.json"
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mxrefit",
-            "bench",
-            "--steps",
-            "1",
-            "--mode",
-            "checks",
-            "--post",
-            "none",
-            "--no-progress",
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    run = bench("--steps", "1", "--mode", "checks", "--post", "none", "--no-progress", "--json", str(out))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     modes = json.loads(out.read_text())["modes"]
     assert list(modes) == ["prequant", "prequant-fused", "prequant-verify", "prequant-transactional"]
@@ -90,12 +54,7 @@ def test_bench_fp8_block_engine_bytes_match(tmp_path):
     """The FP8-block engine layout (Fp8Config: values + float32 scale_inv per 128x128 tile), no post-process:
     both modes run, and the engine's bytes are fp8_block.quantize's (baseline quantizes on the engine)."""
     out = tmp_path / "fp8.json"
-    run = subprocess.run(
-        [sys.executable, "-m", "mxrefit", "bench", "--format", "fp8-block", "--steps", "2", "--no-progress", "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    run = bench("--format", "fp8-block", "--steps", "2", "--no-progress", "--json", str(out))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
     assert (result["format"], result["post"]) == ("fp8-block", "none")
@@ -108,27 +67,18 @@ def test_bench_fp8_block_engine_bytes_match(tmp_path):
 
 def test_bench_fp8_block_ue8m0_grouped(tmp_path):
     out = tmp_path / "ue8m0.json"
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mxrefit",
-            "bench",
-            "--format",
-            "fp8-block-ue8m0",
-            "--steps",
-            "1",
-            "--mode",
-            "prequant",
-            "--experts",
-            "grouped",
-            "--no-progress",
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
+    run = bench(
+        "--format",
+        "fp8-block-ue8m0",
+        "--steps",
+        "1",
+        "--mode",
+        "prequant",
+        "--experts",
+        "grouped",
+        "--no-progress",
+        "--json",
+        str(out),
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -136,12 +86,7 @@ def test_bench_fp8_block_ue8m0_grouped(tmp_path):
 
 
 def test_bench_refuses_trtllm_post_for_fp8_block():
-    run = subprocess.run(
-        [sys.executable, "-m", "mxrefit", "bench", "--format", "fp8-block", "--post", "trtllm", "--no-progress"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    run = bench("--format", "fp8-block", "--post", "trtllm", "--no-progress", timeout_s=120)
     assert run.returncode == 2
     assert "post 'trtllm' is FlashInfer's TRT-LLM MXFP8 layout; fp8-block has no post-process here" in run.stderr
 
@@ -154,13 +99,7 @@ def test_bench_bf16_engine_and_a_table_that_reads_in_80_columns(tmp_path):
     from mxrefit.bench.report import print_table
 
     out = tmp_path / "bf16.json"
-    run = subprocess.run(
-        [sys.executable, "-m", "mxrefit", "bench", "--format", "bf16", "--steps", "1", "--no-progress", "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "COLUMNS": "80"},
-    )
+    run = bench("--format", "bf16", "--steps", "1", "--no-progress", "--json", str(out), env={**os.environ, "COLUMNS": "80"})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
     assert (result["format"], result["post"]) == ("bf16", "none")
@@ -186,25 +125,16 @@ def test_bench_layer_sweep_fits_a_line_per_mode(tmp_path):
     """`--sweep-layers 1,2`: one bench per layer count, more traffic at more layers, a line per
     column (prequant and the floor) with its intercept and slope, engine bytes checked in each run."""
     out = tmp_path / "sweep.json"
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mxrefit",
-            "bench",
-            "--sweep-layers",
-            "1,2",
-            "--mode",
-            "prequant",
-            "--steps",
-            "1",
-            "--no-progress",
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
+    run = bench(
+        "--sweep-layers",
+        "1,2",
+        "--mode",
+        "prequant",
+        "--steps",
+        "1",
+        "--no-progress",
+        "--json",
+        str(out),
         env={**os.environ, "COLUMNS": "80"},
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -217,22 +147,12 @@ def test_bench_layer_sweep_fits_a_line_per_mode(tmp_path):
 
 
 def test_bench_refuses_a_sweep_of_one_layer_count():
-    run = subprocess.run(
-        [sys.executable, "-m", "mxrefit", "bench", "--sweep-layers", "4", "--no-progress"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    run = bench("--sweep-layers", "4", "--no-progress", timeout_s=120)
     assert run.returncode == 2 and "--sweep-layers needs at least two distinct layer counts" in run.stderr
 
 
 def test_bench_peer_checkpoint_engine_refuses_on_cpu_without_a_traceback():
-    run = subprocess.run(
-        [sys.executable, "-m", "mxrefit", "bench", "--device", "cpu", "--peer", "checkpoint-engine", "--no-progress"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    run = bench("--device", "cpu", "--peer", "checkpoint-engine", "--no-progress", timeout_s=120)
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
     assert "--peer checkpoint-engine cannot run here: it needs CUDA" in run.stderr
     assert "this run's device is cpu" in run.stderr
