@@ -87,9 +87,9 @@ if has learned; then  # the Marlin MXFP8 engines with MXREFIT_LEARNED_LAYOUT=1 (
   VLLM_ALLOW_INSECURE_SERIALIZATION=1 MXREFIT_LEARNED_LAYOUT=1 oracle moe_mxfp8_learned --model moe --fmt mxfp8 --via ext --max-batched-tokens 512
   VLLM_ALLOW_INSECURE_SERIALIZATION=1 MXREFIT_LEARNED_LAYOUT=1 oracle moe_mxfp8_learned_wt --model moe --fmt mxfp8 --via wt --max-batched-tokens 512
 fi
-if has sleep; then  # vLLM's sleep mode: sleep(level=1) / wake_up before every refit
-  oracle dense_bf16_sleep --model dense --fmt bf16 --via ext --sleep
-  oracle moe_mxfp8_sleep --model moe --fmt mxfp8 --via ext --sleep --max-batched-tokens 512
+if has sleep; then  # vLLM's sleep mode: sleep(level=1) / wake_up before every refit (SLEEP_MODELS=moe: the MoE run only)
+  [[ ${SLEEP_MODELS:-dense,moe} == *dense* ]] && oracle dense_bf16_sleep --model dense --fmt bf16 --via ext --sleep
+  [[ ${SLEEP_MODELS:-dense,moe} == *moe* ]] && oracle moe_mxfp8_sleep --model moe --fmt mxfp8 --via ext --sleep --max-batched-tokens 512
 fi
 if has soak; then  # 100 refits of a small MXFP8 MoE with generation between, resources sampled, oracle at the end
   VLLM_ALLOW_INSECURE_SERIALIZATION=1 oracle moe_mxfp8_soak --model moe --fmt mxfp8 --via ext --max-batched-tokens 512 \
