@@ -97,9 +97,9 @@ if has soak; then  # 100 refits of a small MXFP8 MoE with generation between, re
 fi
 if has digests; then
   export VLLM_ALLOW_INSECURE_SERIALIZATION=1
-  oracle dense_mxfp8_ext_kd --model dense --fmt mxfp8 --via ext --kernel-digests
-  oracle dense_mxfp8_wt_kd --model dense --fmt mxfp8 --via wt --kernel-digests
-  VLLM_ALLOW_INSECURE_SERIALIZATION=1 MXREFIT_LEARNED_LAYOUT=1 oracle dense_mxfp8_learned_kd --model dense --fmt mxfp8 --via ext --kernel-digests
+  oracle dense_mxfp8_ext_kd --model dense --fmt mxfp8 --via ext --kernel-digests --reload-check
+  oracle dense_mxfp8_wt_kd --model dense --fmt mxfp8 --via wt --kernel-digests --reload-check
+  VLLM_ALLOW_INSECURE_SERIALIZATION=1 MXREFIT_LEARNED_LAYOUT=1 oracle dense_mxfp8_learned_kd --model dense --fmt mxfp8 --via ext --kernel-digests --reload-check
 fi
 has fp8 && oracle dense_fp8block_ext --model dense --fmt fp8-block --via ext
 if has moehang; then
@@ -131,9 +131,12 @@ if has bench; then
     python3 -m pytest -q -p no:cacheprovider tests/integration/test_buffers.py -k "owner or exporting" > $RES/pytest_same_process.log 2>&1
     b() { local tag=$1; shift; timeout ${BENCH_TIMEOUT:-200} python3 -m mxrefit bench --device cuda --no-progress --model qwen3-30b-a3b \
       --json $RES/bench_$tag.json "$@" > $RES/bench_$tag.log 2>&1; }
+    # all 48 layers need the H200's memory (61 GB of BF16 beside the engine); an 80 GB H100 runs 24 and sweeps to 24
+    mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+    if (( mib > 100000 )); then full=48 sweep=6,12,24,48; else full=24 sweep=6,12,18,24; fi
     b peer_bf16 --layers 24 --format bf16 --mode prequant --peer checkpoint-engine --steps 5
-    b mxfp8 --mode prequant --steps 5
-    b sweep --mode prequant --sweep-layers 6,12,24,48 --steps 3 --plot $RES/sweep_30b.png
+    b mxfp8 --layers $full --mode prequant --steps 5
+    b sweep --mode prequant --sweep-layers $sweep --steps 3 --plot $RES/sweep_30b.png
   } &
   pids+=($!)
 fi

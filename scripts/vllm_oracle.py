@@ -488,6 +488,17 @@ def cmd_run(args) -> int:
         result["identical_refit"] = {"params": len(before), "moved": moved}
         llm.reset_prefix_cache()
         result["after_identical"] = compare(answers(llm), previous)
+        if args.reload_check:
+            # vLLM's own loader on engine A, from the last refit's checkpoint: if engine A then answers as a
+            # fresh vLLM does, mxrefit's refit left something different; if not, engine A's other state does
+            try:
+                llm.collective_rpc("reload_weights", kwargs={"weights_path": os.path.join(work, f"ckpt{args.refits}")})
+                llm.reset_prefix_cache()
+                result["after_vllm_reload"] = answers(llm)
+                if args.kernel_digests:
+                    result["after_vllm_reload"]["kernel"] = llm.collective_rpc(_kernel_digests_in_worker)[0]
+            except Exception as err:  # noqa: BLE001 - a diagnostic: recorded, the run goes on
+                result["after_vllm_reload"] = {"error": repr(err)}
         for step, proc, out in procs:
             try:
                 rc = proc.wait(timeout=args.oracle_timeout)
@@ -505,6 +516,13 @@ def cmd_run(args) -> int:
             else:
                 entry["vs_oracle"] = {"error": f"oracle exited {rc}"}
             log(f"{tag}: step {step} vs fresh vLLM: {entry['vs_oracle']}")
+        reloaded, last = result.get("after_vllm_reload"), result["steps"][-1] if result["steps"] else {}
+        if reloaded and "error" not in reloaded and "oracle" in last:
+            result["vllm_reload_vs_oracle"] = compare(reloaded, last["oracle"])
+            result["vllm_reload_vs_refit"] = compare(reloaded, last["engine"])
+            if args.kernel_digests:
+                result["vllm_reload_vs_oracle"]["kernel_diff"] = kernel_diff(reloaded.get("kernel"), last["oracle"].get("kernel"))
+            log(f"{tag}: after vLLM's own reload, vs fresh vLLM: {result['vllm_reload_vs_oracle']}")
         ok = all(
             s.get("vs_oracle", {}).get("tokens_equal") and s["vs_oracle"]["max_logprob_diff"] <= args.atol and s["changed"]
             for s in result["steps"]
@@ -578,6 +596,11 @@ def main() -> int:
         action="store_true",
         help="sha256 of every parameter, buffer and plain kernel tensor of engine A and of each fresh vLLM, "
         "compared after every refit (needs VLLM_ALLOW_INSECURE_SERIALIZATION=1)",
+    )
+    p.add_argument(
+        "--reload-check",
+        action="store_true",
+        help="at the end, vLLM's own reload_weights of the last checkpoint into engine A, answers compared to the fresh vLLM",
     )
     p.add_argument("--ckpt")
     p.add_argument("--dir")
