@@ -313,5 +313,12 @@ class QuantizeGroup:
         if self._padded:
             torch._foreach_zero_(self._padded)
         _layout_group_kernel[(table.programs,)](
-            *common, lay.rows_of, lay.kblocks_of, lay.inverse_addr, lay.tiled_of, lay.tile_bytes_of, lay.col_groups_of, **constants
+            *common,
+            lay.rows_of,
+            lay.kblocks_of,
+            lay.inverse_addr,
+            lay.tiled_of,
+            lay.tile_bytes_of,
+            lay.col_groups_of,
+            **constants,
         )

@@ -155,3 +155,20 @@ def write_reference(layout: KernelLayout, part: torch.Tensor, out: torch.Tensor)
     padded[:, :m, :cb] = rows
     tiles = padded.view(e, rp // TILE_ROWS, 4, 32, cp // TILE_COLS, TILE_COLS).permute(0, 1, 4, 3, 2, 5)
     out.copy_(tiles.reshape(-1))
+
+
+def read_reference(layout: KernelLayout, stored: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of ``write_reference``: the checkpoint-layout part of ``shape``/``dtype`` whose
+    kernel-layout bytes are ``stored`` (flat uint8). Engines use it to hand their own processing
+    the checkpoint bytes a trainer wrote in the kernel layout (a check, never the refit path)."""
+    *lead, m, c = shape
+    e, cb = math.prod(lead), c * dtype.itemsize
+    if layout.tiles is None:
+        rows = stored.view(e, m, cb)
+    else:
+        rp, cp = -(-m // TILE_ROWS) * TILE_ROWS, -(-cb // TILE_COLS) * TILE_COLS
+        tiles = stored.view(e, rp // TILE_ROWS, cp // TILE_COLS, 32, 4, TILE_COLS).permute(0, 1, 4, 3, 2, 5)
+        rows = tiles.reshape(e, rp, cp)[:, :m, :cb]
+    if layout.rows is not None:
+        rows = rows[:, inverse_row_permutation(layout.rows, m).to(rows.device)]
+    return rows.contiguous().view(dtype).view(shape)

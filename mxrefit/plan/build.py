@@ -236,10 +236,7 @@ def sources_from_msg(msg: list) -> list[SourceSpec]:
 def tables_to_msg(params: dict[str, ParamSpec], destinations: dict[str, Destination]) -> dict:
     return {
         "params": [[p.name, list(p.shape), dtype_name(p.dtype)] for p in params.values()],
-        "destinations": [
-            [d.name, d.format, [_target_to_msg(t) for t in d.targets]]
-            for d in destinations.values()
-        ],
+        "destinations": [[d.name, d.format, [_target_to_msg(t) for t in d.targets]] for d in destinations.values()],
     }
 
 

@@ -13,7 +13,7 @@ import torch
 
 from mxrefit.formats import MXFP8, FP8Block
 from mxrefit.formats import mxfp8 as mx
-from mxrefit.formats.kernel_layout import KernelLayout, interleaved_size, row_permutation, write_reference
+from mxrefit.formats.kernel_layout import KernelLayout, interleaved_size, read_reference, row_permutation, write_reference
 from mxrefit.integrations.vllm.layout import vllm_destinations, vllm_params
 from mxrefit.integrations.vllm.trtllm import LinearScaleLayout, MoeLayout, reference_kernel_bytes, vllm_mxfp8_kernel_tables
 from mxrefit.plan.build import PlanMismatch, SourceSpec, build_plan, tables_from_msg, tables_to_msg
@@ -237,3 +237,22 @@ def test_write_reference_pads_with_zeros():
     out = garbage(interleaved_size(100, 3))
     write_reference(KernelLayout(tiles="128x4"), s, out)
     assert int((out == 9).sum()) == 300 and int((out == 0).sum()) == out.numel() - 300
+
+
+@pytest.mark.parametrize(
+    "shape,layout",
+    [
+        ((3, 256, 8), KernelLayout(rows="trtllm-gated", tiles="128x4")),
+        ((100, 3), KernelLayout(tiles="128x4")),
+        ((2, 128, 64), KernelLayout(rows="trtllm")),
+    ],
+)
+def test_read_reference_inverts_write_reference(shape, layout):
+    """What ``VllmEngine`` hands vLLM's own processing under MXREFIT_VERIFY: the checkpoint bytes back."""
+    x = torch.randint(0, 256, shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(len(shape)))
+    out = garbage(layout.stored_bytes(shape, torch.uint8))
+    write_reference(layout, x, out)
+    assert torch.equal(read_reference(layout, out, shape, torch.uint8), x)
+    if layout.rows is not None:  # negative control: the other row order does not give them back
+        wrong = KernelLayout(rows="trtllm" if layout.rows == "trtllm-gated" else "trtllm-gated", tiles=layout.tiles)
+        assert not torch.equal(read_reference(wrong, out, shape, torch.uint8), x)

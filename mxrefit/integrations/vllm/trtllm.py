@@ -119,9 +119,7 @@ def _with_targets(dests: dict[str, Destination], new: dict[tuple[str, int], Targ
     return out
 
 
-def moe_direct_targets(
-    dests: dict[str, Destination], name: str, rows: int, k: int, gated: bool
-) -> dict[str, Destination] | None:
+def moe_direct_targets(dests: dict[str, Destination], name: str, rows: int, k: int, gated: bool) -> dict[str, Destination] | None:
     """``dests`` with every target of MoE values param ``name`` ([E, rows, k]) and of its scales in
     the TRT-LLM kernel layout (written by the trainer's quantize kernel), or None where a source
     covers only part of an expert: per-expert gate/up names split an expert's rows, and the
@@ -140,9 +138,7 @@ def moe_direct_targets(
     return _with_targets(dests, new) if new else None
 
 
-def linear_scale_direct_targets(
-    dests: dict[str, Destination], sname: str, rows: int, cols: int
-) -> dict[str, Destination] | None:
+def linear_scale_direct_targets(dests: dict[str, Destination], sname: str, rows: int, cols: int) -> dict[str, Destination] | None:
     """``dests`` with every target of linear scale param ``sname`` ([rows, cols]) 128x4-tiled at its
     place in the fused param's tiles, or None where a fused partition does not own whole 128-row
     tile bands (it starts off a band, or ends off one before the last): its bytes would share
