@@ -100,9 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument(
         "--post",
         default=None,
-        choices=("trtllm", "none"),
+        choices=("trtllm", "trtllm-staged", "none"),
         help="engine post-load layout: FlashInfer TRT-LLM (MoE shuffle, scale swizzle; MXFP8 only, its "
-        "default) or none (FP8-block's default and only choice)",
+        "default), written in place by the trainer where the sources allow; trtllm-staged: all of it by "
+        "the engine after each refit (the two-pass path); or none (FP8-block's default and only choice)",
     )
     b.add_argument("--layers", type=int, default=None, help="override the model's layer count (size sweeps)")
     b.add_argument(

@@ -19,7 +19,7 @@ import torch
 from mxrefit.devices import align, sync_current
 from mxrefit.engine.base import Engine
 from mxrefit.formats import fp8_block, mxfp8
-from mxrefit.integrations.vllm import trtllm
+from mxrefit.formats.kernel_layout import gated_reorder_rows, interleaved_size, shuffle_rows, swap_rows
 from mxrefit.integrations.vllm.layout import EXPERTS, scale_param
 from mxrefit.plan.types import Destination
 from mxrefit.source.sender import RefitReport
@@ -178,13 +178,13 @@ def per_expert_trtllm(name: str, values: torch.Tensor, scales: torch.Tensor) -> 
     """In place, one expert and one step at a time: the post-load loop users run today."""
     if f"{EXPERTS}." not in name:
         rows, cols = scales.shape
-        if trtllm.interleaved_size(rows, cols) != rows * cols:
+        if interleaved_size(rows, cols) != rows * cols:
             raise ValueError(f"{name}: in-place swizzle needs scale rows % 128 == 0 and cols % 4 == 0")
         scales.view(-1).copy_(scales.view(rows // 128, 4, 32, cols // 4, 4).permute(0, 3, 2, 1, 4).reshape(-1))
         return
     gated = name.endswith("w13_weight")
     m = values.shape[1]
-    steps = ([trtllm.swap_rows(m), trtllm.gated_reorder_rows(m)] if gated else []) + [trtllm.shuffle_rows(m)]
+    steps = ([swap_rows(m), gated_reorder_rows(m)] if gated else []) + [shuffle_rows(m)]
     steps = [s.to(values.device) for s in steps]
     v8 = values.view(torch.uint8)
     c = scales.shape[2]

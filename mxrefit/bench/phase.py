@@ -7,8 +7,9 @@ trainer offloads to make room. Each step is one optimizer step, then the generat
 the training phase.
 
 Engine (another process): vLLM's MXFP8 layout behind a real ``Receiver``, as ``mxrefit bench``'s
-prequant mode builds it (direct transport; with ``post="trtllm"`` brought into FlashInfer's
-TRT-LLM layout after every refit), and a KV-cache stand-in
+prequant mode builds it (direct transport; with ``post="trtllm"`` in FlashInfer's TRT-LLM layout,
+written in place by the trainer where it can and brought there after every refit elsewhere;
+``"trtllm-staged"``: all of it after every refit), and a KV-cache stand-in
 of ``kv_bytes`` that ``sleep`` frees and ``wake_up(["kv_cache"])`` allocates, so the engine really
 takes the memory the offload gave back. Its weights stay resident: vLLM's cumem unmap/remap of
 weights (and a level-1 sleep's weight backup) is not modeled, so ``wake_weights_s`` here is only
@@ -34,7 +35,7 @@ from mxrefit.devices import bind, resolve
 from mxrefit.engine.layout import LayoutEngine
 from mxrefit.engine.receiver import Receiver
 from mxrefit.integrations.vllm.layout import vllm_destinations, vllm_params
-from mxrefit.integrations.vllm.trtllm import vllm_mxfp8_units
+from mxrefit.integrations.vllm.trtllm import vllm_mxfp8_kernel_tables
 from mxrefit.lifecycle import OptimizerOffloader, prepare_for_generation, prepare_for_training
 from mxrefit.plan.build import SourceSpec
 from mxrefit.plan.shapes import BUILTIN, hf_tensor_specs
@@ -50,8 +51,12 @@ def _engine_main(conn, model: str, device: str, timeout_s: float, experts: str, 
     dev = bind(device)
     shape = BUILTIN[model]
     params = vllm_params(shape, mxfp8=True)
-    units, kernel = vllm_mxfp8_units(shape, params, dev) if post == "trtllm" else ((), {})
-    engine = LayoutEngine(params, vllm_destinations(shape, mxfp8=True, experts=experts), dev, units=units, kernel=kernel)
+    dests = vllm_destinations(shape, mxfp8=True, experts=experts)
+    if post == "none":
+        engine = LayoutEngine(params, dests, dev)
+    else:
+        k = vllm_mxfp8_kernel_tables(shape, params, dests, dev, direct=post == "trtllm")
+        engine = LayoutEngine(k.params, k.destinations, dev, units=k.units, kernel=k.kernel)
     receiver = Receiver(engine, timeout_s=timeout_s)
 
     def serve() -> None:

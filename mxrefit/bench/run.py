@@ -4,9 +4,12 @@ The trainer process (this one) makes random BF16 weights with the model's HF nam
 shapes; the engine process holds vLLM's quantized checkpoint layout in format ``fmt`` (fused
 qkv / w13 / w2; embeddings, router, norms, lm_head BF16):
 - ``mxfp8`` (default): E4M3 values + uint8 scales per 32 (ModelOpt MXFP8). With
-  ``post="trtllm"`` (its default) the engine brings them into FlashInfer's TRT-LLM kernel
-  layout after every refit (MoE values/scales shuffled and interleaved, linear scales
-  swizzled), timed as its own phase.
+  ``post="trtllm"`` (its default) the engine holds FlashInfer's TRT-LLM kernel layout (MoE
+  values/scales shuffled and interleaved, linear scales swizzled) and advertises it in its
+  tables, so the trainer's quantize kernel writes it in place; only the params it cannot
+  (per-expert gate/up halves of w13, linear partitions off the 128-row tiles) are staged and
+  moved after every refit, timed as its own phase. ``post="trtllm-staged"`` stages every one
+  of them (the two-pass path, for comparison).
 - ``fp8-block`` / ``fp8-block-ue8m0``: E4M3 values + float32 ``scale_inv`` per 128x128 tile
   (``Fp8Config``; float32 ``amax / 448`` or power-of-two scales). No post-process
   (``post="none"``, required): Hopper's generic block kernel (CUTLASS/Triton) reads the
@@ -45,7 +48,7 @@ from mxrefit.devices import bind, resolve
 from mxrefit.engine.layout import LayoutEngine
 from mxrefit.engine.receiver import Receiver
 from mxrefit.integrations.vllm.layout import quantized_param_names, scale_param, vllm_destinations, vllm_params
-from mxrefit.integrations.vllm.trtllm import reference_kernel_bytes, vllm_mxfp8_units
+from mxrefit.integrations.vllm.trtllm import reference_kernel_bytes, vllm_mxfp8_kernel_tables
 from mxrefit.plan.build import SourceSpec
 from mxrefit.plan.shapes import BUILTIN, ModelShape, hf_tensor_specs
 from mxrefit.source.sender import Sender
@@ -56,7 +59,7 @@ ALL_MODES = ("baseline", "prequant", "prequant-buffers")
 # what the safety options cost: per-bucket integrity sums, receiving into a shadow committed whole,
 # and the non-finite screen fused into encoding (check_finite=False: one read of the sources, not two)
 CHECK_MODES = ("prequant", "prequant-fused", "prequant-verify", "prequant-transactional")
-POST = ("trtllm", "none")
+POST = ("trtllm", "trtllm-staged", "none")
 FORMATS = ("mxfp8", "fp8-block", "fp8-block-ue8m0", "bf16")
 
 
@@ -68,14 +71,14 @@ def resolve_post(fmt: str, post: str | None) -> str:
         return "trtllm" if fmt == "mxfp8" else "none"
     if post not in POST:
         raise ValueError(f"post must be one of {POST}, got {post!r}")
-    if post == "trtllm" and fmt != "mxfp8":
+    if post != "none" and fmt != "mxfp8":
         why = (
             "a BF16 engine's kernels read its weights as loaded"
             if fmt == "bf16"
             else "Hopper's generic block kernel reads the checkpoint layout as loaded; DeepGEMM's UE8M0 re-layout is not modelled"
         )
         raise ValueError(
-            f"post 'trtllm' is FlashInfer's TRT-LLM MXFP8 layout; {fmt} has no post-process here ({why}): use post 'none'"
+            f"post {post!r} is FlashInfer's TRT-LLM MXFP8 layout; {fmt} has no post-process here ({why}): use post 'none'"
         )
     return post
 
@@ -101,16 +104,16 @@ def _engine_main(conn, shape: ModelShape, mode: str, device: str, timeout_s: flo
     dev = bind(device)
     params = vllm_params(shape, fmt=fmt)
     dests = vllm_destinations(shape, fmt=fmt, experts=experts)
-    if mode == "baseline":
+    if mode == "baseline" or post == "none":
         engine = LayoutEngine(params, dests, dev)
     else:
-        units, kernel = vllm_mxfp8_units(shape, params, dev) if post == "trtllm" else ((), {})
-        engine = LayoutEngine(params, dests, dev, units=units, kernel=kernel)
+        k = vllm_mxfp8_kernel_tables(shape, params, dests, dev, direct=post == "trtllm")
+        engine = LayoutEngine(k.params, k.destinations, dev, units=k.units, kernel=k.kernel)
     base_mem = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     if mode == "baseline":
-        post_names = quantized_param_names(shape) if post == "trtllm" else []
+        post_names = quantized_param_names(shape) if post != "none" else []
         receiver: BaselineReceiver | Receiver = BaselineReceiver(engine, timeout_s=timeout_s, post=post_names)
     else:
         receiver = Receiver(engine, timeout_s=timeout_s, transactional=mode == "prequant-transactional")

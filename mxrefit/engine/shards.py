@@ -107,7 +107,13 @@ def check_shards(params: Mapping[str, ParamSpec], destinations: Mapping[str, Des
             problems += _shard_problems(name, params[name], shard)
     if not problems:
         for dest in destinations.values():
-            if dest.format == "mxfp8" and len(dest.targets) == 2:
+            laid = [t.param for t in dest.targets if t.layout is not None and t.param in shards]
+            if laid:
+                problems.append(
+                    f"tensor {dest.name!r}: {laid[0]!r} is held in slices and its target has a kernel layout; a slice "
+                    f"of permuted rows or scale tiles is not a slice of the checkpoint (advertise no layout there)"
+                )
+            elif dest.format == "mxfp8" and len(dest.targets) == 2:
                 problems += _mxfp8_problems(dest, shards, params)
             elif dest.format != "bf16" and any(t.param in shards for t in dest.targets):
                 problems.append(

@@ -25,6 +25,7 @@ from mxrefit.devices import triton_kernels
 from mxrefit.formats import fp8_block, mxfp8
 from mxrefit.formats._common import NonFiniteError
 from mxrefit.formats.finite_check import FiniteCheck
+from mxrefit.formats.kernel_layout import KernelLayout, layout_problem, write_reference
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class PartSpec:
 
 
 Encoder = Callable[[Sequence[torch.Tensor], torch.Tensor], None]
+Layouts = Sequence[Sequence[KernelLayout | None]]  # per source, per part: the engine's kernel layout or None
 
 
 class Format(ABC):
@@ -48,6 +50,17 @@ class Format(ABC):
     def check_source(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         """Raise ValueError naming ``name`` and the rule if this source cannot be encoded."""
 
+    def check_layouts(self, name: str, parts: Sequence[PartSpec], layouts: Sequence[KernelLayout | None]) -> None:
+        """Raise ValueError naming ``name`` and the rule unless this format can write its parts in
+        the engine's kernel ``layouts`` (one per part, None = checkpoint layout). By default a
+        format writes the checkpoint layout only."""
+        for spec, layout in zip(parts, layouts):
+            if layout is not None:
+                raise ValueError(
+                    f"tensor {name!r}: the engine asks for its {spec.role} in kernel layout {layout}; format "
+                    f"{self.name} writes the checkpoint layout only"
+                )
+
     @abstractmethod
     def encoder(
         self,
@@ -55,6 +68,7 @@ class Format(ABC):
         outs: Sequence[Sequence[torch.Tensor]],
         *,
         screen: bool = False,
+        layouts: Layouts | None = None,
     ) -> Encoder:
         """Build, once, the step function that encodes sources of these specs into ``outs``.
 
@@ -62,8 +76,15 @@ class Format(ABC):
         ``bad`` flag on the destination's device, which receives the smallest index of a
         source found non-finite. With ``screen`` (no separate screen ran) every format must
         report every non-finite source there; without, a format may leave ``bad`` untouched
-        (the sender screened already) and should not spend a second read on it.
+        (the sender screened already) and should not spend a second read on it. ``layouts``
+        (accepted by ``check_layouts``): a part with a kernel layout gets its flat stored bytes
+        in ``outs`` (``Target.view``) and is written in that layout.
         """
+
+
+def _checkpoint_layout_only(fmt: Format, layouts: Layouts | None) -> None:
+    if layouts is not None and any(lay is not None for per_source in layouts for lay in per_source):
+        raise ValueError(f"format {fmt.name} writes the checkpoint layout only (check_layouts refuses kernel layouts)")
 
 
 class Passthrough(Format):
@@ -78,7 +99,8 @@ class Passthrough(Format):
         if not (dtype.is_floating_point and dtype.itemsize >= 2):
             raise ValueError(f"tensor {name!r}: a {dtype} source cannot be sent as a plain floating-point weight")
 
-    def encoder(self, sources, outs, *, screen=False):
+    def encoder(self, sources, outs, *, screen=False, layouts=None):
+        _checkpoint_layout_only(self, layouts)
         dsts = [o[0] for o in outs]
         if not screen:
 
@@ -124,25 +146,34 @@ def _screening_copy(sources: Sequence[tuple[tuple[int, ...], torch.dtype]], dsts
     return encode
 
 
+MakeGroup = Callable[[list[torch.Tensor], list[Sequence[torch.Tensor]], Layouts | None, torch.device], Callable]
+
+
 def _kernel_encoder(
     sources: Sequence[tuple[tuple[int, ...], torch.dtype]],
     outs: Sequence[Sequence[torch.Tensor]],
-    make_group: Callable[[list[torch.Tensor], list[Sequence[torch.Tensor]], torch.device], Callable] | None,
-    encode_one: Callable[[torch.Tensor, Sequence[torch.Tensor]], None],
+    make_group: MakeGroup | None,
+    encode_one: Callable[[torch.Tensor, Sequence[torch.Tensor], Sequence[KernelLayout | None]], None],
+    layouts: Layouts | None = None,
 ) -> Encoder:
     """The step function of a quantized format: on CUDA one grouped kernel launch per input
-    dtype the kernels take (BF16, FP16), built once by ``make_group``; every other source
-    through ``encode_one`` (the torch path), whose NonFiniteError lands in ``bad`` like the
-    kernels' reports."""
+    dtype the kernels take (BF16, FP16) and per kind of destination (checkpoint layout, or some
+    part in a kernel layout), built once by ``make_group``; every other source through
+    ``encode_one`` (the torch path), whose NonFiniteError lands in ``bad`` like the kernels'
+    reports. Sources without kernel layouts get exactly the launches they had before layouts."""
     device = outs[0][0].device if outs else torch.device("cpu")
-    groups = []  # (indices, launch) per input dtype the kernel takes
+    per_source = [tuple(lay) for lay in layouts] if layouts is not None else [(None,) * len(o) for o in outs]
+    laid_out = [any(lay is not None for lay in ls) for ls in per_source]
+    groups = []  # (indices, launch) per input dtype the kernel takes and destination kind
     rest = list(range(len(sources)))
     if make_group is not None and device.type == "cuda":
         for dtype in (torch.bfloat16, torch.float16):
-            idx = [i for i, (_, dt) in enumerate(sources) if dt == dtype]
-            if idx:
-                shaped = [torch.empty(sources[i][0], dtype=dtype, device="meta") for i in idx]
-                groups.append((idx, make_group(shaped, [outs[i] for i in idx], device)))
+            for kind in (False, True):
+                idx = [i for i, (_, dt) in enumerate(sources) if dt == dtype and laid_out[i] == kind]
+                if idx:
+                    shaped = [torch.empty(sources[i][0], dtype=dtype, device="meta") for i in idx]
+                    group_layouts = [per_source[i] for i in idx] if kind else None
+                    groups.append((idx, make_group(shaped, [outs[i] for i in idx], group_layouts, device)))
         grouped = {i for idx, _ in groups for i in idx}
         rest = [i for i in rest if i not in grouped]
 
@@ -151,7 +182,7 @@ def _kernel_encoder(
             launch([step_sources[i] for i in idx], bad)
         for i in rest:
             try:
-                encode_one(step_sources[i], outs[i])
+                encode_one(step_sources[i], outs[i], per_source[i])
             except NonFiniteError:
                 bad.fill_(min(int(bad.item()), i))
 
@@ -175,20 +206,47 @@ class MXFP8(Format):
     def check_source(self, name, shape, dtype):
         mxfp8.check_quantizable(tuple(shape), dtype, name)
 
-    def encoder(self, sources, outs, *, screen=False):  # the kernels and the torch path always report
+    def check_layouts(self, name, parts, layouts):
+        """Values: a row order only; scales: a row order and/or 128x4 tiles; one row order for both
+        (a scale byte must sit in the row of its values)."""
+        for spec, layout in zip(parts, layouts):
+            if layout is None:
+                continue
+            if spec.role == "values" and layout.tiles is not None:
+                raise ValueError(f"tensor {name!r}: MXFP8 values are never tiled; the engine asks for values in {layout}")
+            problem = layout_problem(layout, spec.role, tuple(spec.shape))
+            if problem is not None:
+                raise ValueError(f"tensor {name!r}: cannot write kernel layout {layout}: {problem}")
+        orders = [lay.rows if lay is not None else None for lay in layouts]
+        if len(set(orders)) > 1:
+            raise ValueError(
+                f"tensor {name!r}: MXFP8 values and scales must share one row order (a scale byte sits in its "
+                f"values' row); the engine asks for {orders[0]} and {orders[1]}"
+            )
+
+    def encoder(self, sources, outs, *, screen=False, layouts=None):  # the kernels and the torch path always report
         kernels = mxfp8._triton_module()
         min_byte = self.min_byte
         make_group = None
         if kernels is not None:
 
-            def make_group(shaped, group_outs, device):
-                group = kernels.QuantizeGroup(shaped, group_outs, device=device)
+            def make_group(shaped, group_outs, group_layouts, device):
+                group = kernels.QuantizeGroup(shaped, group_outs, device=device, layouts=group_layouts)
                 return lambda srcs, bad: group(srcs, min_byte, bad)
 
-        def encode_one(src, out):
-            mxfp8.quantize(src, out=out[0], scale_out=out[1], backend="torch", zero_block_scale_one=bool(min_byte))
+        def encode_one(src, out, part_layouts):
+            if not any(part_layouts):
+                mxfp8.quantize(src, out=out[0], scale_out=out[1], backend="torch", zero_block_scale_one=bool(min_byte))
+                return
+            # the two-pass fallback (no kernel for this source): checkpoint layout, then the layout's gathers
+            parts = mxfp8.quantize(src, backend="torch", zero_block_scale_one=bool(min_byte))
+            for part, dst, layout in zip(parts, out, part_layouts):
+                if layout is None:
+                    dst.copy_(part)
+                else:
+                    write_reference(layout, part, dst)
 
-        return _kernel_encoder(sources, outs, make_group, encode_one)
+        return _kernel_encoder(sources, outs, make_group, encode_one, layouts)
 
 
 class FP8Block(Format):
@@ -212,16 +270,17 @@ class FP8Block(Format):
     def check_source(self, name, shape, dtype):
         fp8_block.check_quantizable(tuple(shape), dtype, name)
 
-    def encoder(self, sources, outs, *, screen=False):  # the kernels and the torch path always report
+    def encoder(self, sources, outs, *, screen=False, layouts=None):  # the kernels and the torch path always report
+        _checkpoint_layout_only(self, layouts)
         kernels = fp8_block._triton_module()
         use_ue8m0 = self.use_ue8m0
         make_group = None
         if kernels is not None:
 
-            def make_group(shaped, group_outs, device):
+            def make_group(shaped, group_outs, group_layouts, device):
                 return kernels.QuantizeGroup(shaped, group_outs, fp8_block.BLOCK, use_ue8m0, device=device)
 
-        def encode_one(src, out):
+        def encode_one(src, out, part_layouts):
             fp8_block.quantize(src, out=out[0], scale_out=out[1], use_ue8m0=use_ue8m0, backend="torch")
 
         return _kernel_encoder(sources, outs, make_group, encode_one)

@@ -13,9 +13,15 @@ Values have two exact roundings, chosen by the constexpr ``INT_ROUND``:
 Both are checked byte for byte against the torch path on the H200 (scripts/gpu_mxfp8.py).
 
 A non-finite block is reported through ``bad``, the smallest flat block index holding one.
+
+``QuantizeGroup(..., layouts=...)`` writes engines' kernel layouts (``formats/kernel_layout.py``)
+in the same pass: only the destination offsets of each block's values and scale byte differ;
+what is read, the scale byte, the rounding and the non-finite report are the same code.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -24,15 +30,27 @@ import triton.language as tl
 from mxrefit.devices import triton_interpreting
 from mxrefit.formats._common import bad_flag, first_bad
 from mxrefit.formats._triton_common import LaunchTable, e4m3_rne, supports, widen_to_f32_bits
+from mxrefit.formats.kernel_layout import KernelLayout, interleaved_size, inverse_row_permutation
 
 __all__ = ["supports", "quantize_into", "QuantizeGroup"]
 
 
 @triton.jit
 def _quantize_blocks(
-    src, dst_values, dst_scales, blk, blk_mask, MIN_BYTE: tl.constexpr, INT_ROUND: tl.constexpr, IS_BF16: tl.constexpr
+    src,
+    dst_values,
+    dst_scales,
+    blk,
+    value_at,
+    scale_at,
+    blk_mask,
+    MIN_BYTE: tl.constexpr,
+    INT_ROUND: tl.constexpr,
+    IS_BF16: tl.constexpr,
 ):
-    """Quantize blocks ``blk`` (consecutive runs of 32) of one tensor; returns which were non-finite."""
+    """Quantize blocks ``blk`` (consecutive runs of 32) of one tensor, each block's 32 value bytes
+    to ``dst_values + value_at`` and its scale byte to ``dst_scales + scale_at``; returns which
+    blocks were non-finite."""
     offs = blk[:, None] * 32 + tl.arange(0, 32)[None, :]
     bits = widen_to_f32_bits(tl.load(src + offs, mask=blk_mask[:, None], other=0), IS_BF16)
     mag = bits & 0x7FFFFFFF
@@ -50,8 +68,8 @@ def _quantize_blocks(
         y = (bits.to(tl.float32, bitcast=True) * f1[:, None]) * f2[:, None]
         byte = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
 
-    tl.store(dst_values + offs, byte, mask=blk_mask[:, None])
-    tl.store(dst_scales + blk, sb.to(tl.uint8), mask=blk_mask)
+    tl.store(dst_values + value_at[:, None] + tl.arange(0, 32)[None, :], byte, mask=blk_mask[:, None])
+    tl.store(dst_scales + scale_at, sb.to(tl.uint8), mask=blk_mask)
     return blk_mask & (amag >= 0x7F800000)
 
 
@@ -72,7 +90,7 @@ def _single_kernel(
     if WIDE_INDEX:
         pid = pid.to(tl.int64)
     blk = pid * NB + tl.arange(0, NB)
-    is_bad = _quantize_blocks(x_ptr, v_ptr, s_ptr, blk, blk < n_blocks, MIN_BYTE, INT_ROUND, IS_BF16)
+    is_bad = _quantize_blocks(x_ptr, v_ptr, s_ptr, blk, blk * 32, blk, blk < n_blocks, MIN_BYTE, INT_ROUND, IS_BF16)
     lowest = tl.min(tl.where(is_bad, blk, 2147483647), axis=0).to(tl.int32)
     tl.atomic_min(bad_ptr, lowest, mask=lowest < 2147483647)
 
@@ -101,7 +119,67 @@ def _group_kernel(
     if ALIGNED:  # addresses loaded from a table carry no alignment: say it, or every access is scalar
         src = tl.multiple_of(src, 16)
         dst_values = tl.multiple_of(dst_values, 16)
-    is_bad = _quantize_blocks(src, dst_values, dst_scales, blk, blk < tl.load(n_blocks_of + t), MIN_BYTE, INT_ROUND, IS_BF16)
+    blk_mask = blk < tl.load(n_blocks_of + t)
+    is_bad = _quantize_blocks(src, dst_values, dst_scales, blk, blk * 32, blk, blk_mask, MIN_BYTE, INT_ROUND, IS_BF16)
+    any_bad = tl.max(is_bad.to(tl.int32), axis=0)
+    tl.atomic_min(bad_ptr, t, mask=any_bad > 0)
+
+
+@triton.jit
+def _layout_group_kernel(
+    prog_tensor,
+    prog_block,
+    n_blocks_of,
+    src_addr,
+    values_addr,
+    scales_addr,
+    bad_ptr,
+    rows_of,
+    kblocks_of,
+    inverse_addr,
+    tiled_of,
+    tile_bytes_of,
+    col_groups_of,
+    MIN_BYTE: tl.constexpr,
+    NB: tl.constexpr,
+    INT_ROUND: tl.constexpr,
+    IS_BF16: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    """``_group_kernel`` writing kernel layouts: block (expert e, row m, block column kb) of a
+    tensor with M rows per expert lands on kernel row ``e*M + inverse[m]``; its scale byte at that
+    row's place in the 128x4 tiles (``tile_bytes`` per expert, ``col_groups`` = ceil(KB/4)) when the
+    tensor's scales are tiled, else row-major."""
+    pid = tl.program_id(0)
+    t = tl.load(prog_tensor + pid)
+    blk = tl.load(prog_block + pid).to(tl.int64) + tl.arange(0, NB)
+    blk_mask = blk < tl.load(n_blocks_of + t)
+    src = tl.load(src_addr + t).to(tl.pointer_type(tl.int16))
+    dst_values = tl.load(values_addr + t).to(tl.pointer_type(tl.uint8))
+    dst_scales = tl.load(scales_addr + t).to(tl.pointer_type(tl.uint8))
+    if ALIGNED:
+        src = tl.multiple_of(src, 16)
+        dst_values = tl.multiple_of(dst_values, 16)
+    inverse = tl.load(inverse_addr + t).to(tl.pointer_type(tl.int32))
+    m_rows = tl.load(rows_of + t)
+    kblocks = tl.load(kblocks_of + t)
+    row = blk // kblocks
+    kb = blk - row * kblocks
+    e = row // m_rows
+    km = tl.load(inverse + (row - e * m_rows), mask=blk_mask, other=0).to(tl.int64)
+    krow = e * m_rows + km
+    tiled_at = (
+        e * tl.load(tile_bytes_of + t)
+        + (km // 128) * tl.load(col_groups_of + t) * 512
+        + (kb // 4) * 512
+        + (km % 32) * 16
+        + ((km % 128) // 32) * 4
+        + kb % 4
+    )
+    scale_at = tl.where(tl.load(tiled_of + t) != 0, tiled_at, krow * kblocks + kb)
+    is_bad = _quantize_blocks(
+        src, dst_values, dst_scales, blk, (krow * kblocks + kb) * 32, scale_at, blk_mask, MIN_BYTE, INT_ROUND, IS_BF16
+    )
     any_bad = tl.max(is_bad.to(tl.int32), axis=0)
     tl.atomic_min(bad_ptr, t, mask=any_bad > 0)
 
@@ -150,11 +228,39 @@ def quantize_into(
     return first_bad(flag) if own_bad else None
 
 
+class _LayoutTables:
+    """Per-tensor tables of ``_layout_group_kernel``: rows per expert, block columns, the inverse
+    row permutation (identity where the layout keeps the rows), and the scale tiling."""
+
+    def __init__(self, table: LaunchTable, sources: list[torch.Tensor], layouts: Sequence[Sequence[KernelLayout | None]]):
+        rows, kblocks, tiled, tile_bytes, col_groups = [], [], [], [], []
+        self.inverses: list[torch.Tensor] = []  # kept alive: the kernel reads them by address
+        for s, (values, scales) in zip(sources, layouts):
+            m, kb = s.shape[-2], s.shape[-1] // 32
+            order = next((lay.rows for lay in (values, scales) if lay is not None and lay.rows), None)
+            inverse = torch.arange(m) if order is None else inverse_row_permutation(order, m)
+            self.inverses.append(inverse.to(device=table.device, dtype=torch.int32))
+            rows.append(m)
+            kblocks.append(kb)
+            tiled.append(int(scales is not None and scales.tiles is not None))
+            tile_bytes.append(interleaved_size(m, kb))
+            col_groups.append(-(-kb // 4))
+        self.rows_of = table.ints(rows, torch.int64)
+        self.kblocks_of = table.ints(kblocks, torch.int64)
+        self.inverse_addr = table.ints([i.data_ptr() for i in self.inverses], torch.int64)
+        self.tiled_of = table.ints(tiled, torch.int32)
+        self.tile_bytes_of = table.ints(tile_bytes, torch.int64)
+        self.col_groups_of = table.ints(col_groups, torch.int64)
+
+
 class QuantizeGroup:
     """One launch for many tensors (``LaunchTable`` rows of ``blocks_per_program`` blocks each).
 
     Destinations are fixed (views of a persistent transfer buffer), so their addresses are
-    tabled at construction; source addresses are re-sent only when they change.
+    tabled at construction; source addresses are re-sent only when they change. With
+    ``layouts`` (per tensor: the values' and the scales' ``KernelLayout`` or None) every block
+    is written in its kernel layout (``_layout_group_kernel``); scale parts whose tiles are
+    padded are zeroed first (one ``_foreach_zero_``), since the kernel writes data bytes only.
     """
 
     def __init__(
@@ -165,6 +271,7 @@ class QuantizeGroup:
         device: torch.device | None = None,
         blocks_per_program: int = 128,
         num_warps: int = 4,
+        layouts: Sequence[Sequence[KernelLayout | None]] | None = None,
     ):
         """``sources`` give shapes and dtype only (meta tensors will do); ``outs`` are the destinations."""
         self.device = device if device is not None else outs[0][0].device
@@ -176,6 +283,12 @@ class QuantizeGroup:
         self.n_blocks_of = self.table.ints(n_blocks, torch.int64)
         self._values_aligned = all(v.data_ptr() % 16 == 0 for v, _ in outs)
         self._aligned = False
+        self.layout = _LayoutTables(self.table, sources, layouts) if layouts is not None else None
+        self._padded = [
+            o[1]
+            for s, o, lay in zip(sources, outs, layouts or ())
+            if lay[1] is not None and lay[1].padded(tuple(s.shape[:-1]) + (s.shape[-1] // 32,), torch.uint8)
+        ]
 
     def __call__(self, sources: list[torch.Tensor], min_byte: int, bad: torch.Tensor, int_round: bool | None = None) -> None:
         table = self.table
@@ -184,18 +297,28 @@ class QuantizeGroup:
         if table.programs == 0:
             return
         values_addr, scales_addr = table.out_addr
-        _group_kernel[(table.programs,)](
-            table.prog_tensor,
-            table.prog_unit,
-            self.n_blocks_of,
-            table.src_addr,
-            values_addr,
-            scales_addr,
-            bad,
+        common = (table.prog_tensor, table.prog_unit, self.n_blocks_of, table.src_addr, values_addr, scales_addr, bad)
+        constants = dict(
             MIN_BYTE=min_byte,
             NB=self.nb,
             INT_ROUND=triton_interpreting() if int_round is None else int_round,
             IS_BF16=self.is_bf16,
             ALIGNED=self._aligned,
             num_warps=self.num_warps,
+        )
+        lay = self.layout
+        if lay is None:
+            _group_kernel[(table.programs,)](*common, **constants)
+            return
+        if self._padded:
+            torch._foreach_zero_(self._padded)
+        _layout_group_kernel[(table.programs,)](
+            *common,
+            lay.rows_of,
+            lay.kblocks_of,
+            lay.inverse_addr,
+            lay.tiled_of,
+            lay.tile_bytes_of,
+            lay.col_groups_of,
+            **constants,
         )

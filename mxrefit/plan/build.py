@@ -23,6 +23,7 @@ import torch
 from mxrefit.devices import ALIGN, align
 from mxrefit.errors import MxrefitError
 from mxrefit.formats import get_format
+from mxrefit.formats.kernel_layout import KernelLayout
 from mxrefit.plan.dtypes import dtype_from_name, dtype_name
 from mxrefit.plan.types import Destination, ParamSpec, Target
 
@@ -134,6 +135,13 @@ def _check(sources: list[SourceSpec], params: dict[str, ParamSpec], destinations
                     f"tensor {src.name!r}: target bytes [{tgt.offset}, {tgt.offset + tgt.nbytes}) outside {tgt.param!r}"
                 )
                 break
+        else:
+            layouts = tuple(t.layout for t in dest.targets)
+            if any(layouts):
+                try:
+                    fmt.check_layouts(src.name, want, layouts)
+                except ValueError as err:
+                    problems.append(str(err))
     if problems:
         raise PlanMismatch(problems)
 
@@ -198,15 +206,22 @@ def build_plan(
     for b in buckets:
         _layout(b, targets, param_rank)
     formats = [destinations[s.name].format for s in sources]
-    digest = _digest(sources, formats, buckets, bucket_bytes, slots)
+    layouts = [[i, r, t.layout.to_msg()] for i, ts in targets.items() for r, t in enumerate(ts) if t.layout is not None]
+    digest = _digest(sources, formats, buckets, bucket_bytes, slots, layouts)
     return RefitPlan(sources, formats, buckets, bucket_bytes, slots, digest)
 
 
-def _digest(sources: list[SourceSpec], formats: list[str], buckets: list[Bucket], bucket_bytes: int, slots: int) -> str:
+def _digest(
+    sources: list[SourceSpec], formats: list[str], buckets: list[Bucket], bucket_bytes: int, slots: int, layouts: list
+) -> str:
+    """sha256 of everything both sides must agree on; kernel layouts enter only where there are
+    some, so a plan without them keeps the digest it always had."""
     h = hashlib.sha256()
     h.update(msgpack.packb([bucket_bytes, slots, [[s.name, list(s.shape), dtype_name(s.dtype)] for s in sources], formats]))
     for b in buckets:
         h.update(msgpack.packb([b.slot, b.sources, [[r.offset, r.param, r.param_offset, r.nbytes] for r in b.runs]]))
+    if layouts:
+        h.update(msgpack.packb(["kernel layouts", layouts]))
     return h.hexdigest()
 
 
@@ -221,17 +236,22 @@ def sources_from_msg(msg: list) -> list[SourceSpec]:
 def tables_to_msg(params: dict[str, ParamSpec], destinations: dict[str, Destination]) -> dict:
     return {
         "params": [[p.name, list(p.shape), dtype_name(p.dtype)] for p in params.values()],
-        "destinations": [
-            [d.name, d.format, [[t.param, t.offset, list(t.shape), dtype_name(t.dtype)] for t in d.targets]]
-            for d in destinations.values()
-        ],
+        "destinations": [[d.name, d.format, [_target_to_msg(t) for t in d.targets]] for d in destinations.values()],
     }
+
+
+def _target_to_msg(t: Target) -> list:
+    """``[param, offset, shape, dtype]``, and the kernel layout as a fifth item where there is one."""
+    row = [t.param, t.offset, list(t.shape), dtype_name(t.dtype)]
+    return row if t.layout is None else [*row, t.layout.to_msg()]
+
+
+def _target_from_msg(row: list) -> Target:
+    p, off, shape, dt, *layout = row
+    return Target(p, int(off), tuple(shape), dtype_from_name(dt), KernelLayout.from_msg(layout[0]) if layout else None)
 
 
 def tables_from_msg(msg: dict) -> tuple[dict[str, ParamSpec], dict[str, Destination]]:
     params = {n: ParamSpec(n, tuple(shape), dtype_from_name(dt)) for n, shape, dt in msg["params"]}
-    destinations = {
-        n: Destination(n, fmt, tuple(Target(p, int(off), tuple(shape), dtype_from_name(dt)) for p, off, shape, dt in tgts))
-        for n, fmt, tgts in msg["destinations"]
-    }
+    destinations = {n: Destination(n, fmt, tuple(_target_from_msg(t) for t in tgts)) for n, fmt, tgts in msg["destinations"]}
     return params, destinations

@@ -7,6 +7,11 @@ An engine is described by two tables, built once from the live model:
   (values, scales), a ``Target``: a contiguous byte range of one parameter.
 Both are plain data, so they cross the control channel as msgpack.
 
+A target may carry a ``KernelLayout`` (``mxrefit.formats.kernel_layout``): the engine's kernel
+reads that part in another order than the checkpoint's (FlashInfer's TRT-LLM MoE rows, 128x4
+scale tiles), and the trainer's encoder writes it so, straight into its final place. A target
+without one takes the checkpoint layout, as before layouts existed.
+
 An engine rank that holds only a slice of some parameters (tensor or expert parallelism)
 still describes the WHOLE parameters in both tables, so every rank of a multi-rank engine
 builds the same plan (one digest for all, full tensors on the wire); ``shards`` then says,
@@ -20,19 +25,30 @@ from dataclasses import dataclass
 
 import torch
 
+from mxrefit.formats.kernel_layout import KernelLayout
+
 
 @dataclass(frozen=True)
 class Target:
-    """One encoded part of a trainer tensor: ``shape``/``dtype`` bytes at ``offset`` in ``param``."""
+    """One encoded part of a trainer tensor: ``shape``/``dtype`` bytes at ``offset`` in ``param``,
+    in the checkpoint layout, or in ``layout`` (then ``nbytes`` counts its tile padding too)."""
 
     param: str
     offset: int
     shape: tuple[int, ...]
     dtype: torch.dtype
+    layout: KernelLayout | None = None
 
     @property
     def nbytes(self) -> int:
+        if self.layout is not None:
+            return self.layout.stored_bytes(self.shape, self.dtype)
         return math.prod(self.shape) * self.dtype.itemsize
+
+    def view(self, flat: torch.Tensor) -> torch.Tensor:
+        """The part's ``nbytes`` flat uint8 bytes as its encoder writes them: typed and shaped in the
+        checkpoint layout, flat bytes in a kernel layout."""
+        return flat if self.layout is not None else flat.view(self.dtype).view(self.shape)
 
 
 @dataclass(frozen=True)

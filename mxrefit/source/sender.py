@@ -40,6 +40,7 @@ from mxrefit.errors import MxrefitError
 from mxrefit.formats import get_format, mxfp8
 from mxrefit.formats._common import NO_BAD, bad_flag, first_bad
 from mxrefit.formats.finite_check import FiniteCheck
+from mxrefit.formats.kernel_layout import KernelLayout
 from mxrefit.plan.build import (
     DEFAULT_BUCKET_BYTES,
     Bucket,
@@ -306,10 +307,11 @@ class Sender:
 
     def _build_encoders(self, plan: RefitPlan, path: SendPath) -> None:
         views: dict[int, list[torch.Tensor | None]] = {}
+        layouts: dict[int, list[KernelLayout | None]] = {}
         for b in plan.buckets:
             for p in b.parts:
-                t = p.target
-                views.setdefault(p.source, [None] * 2)[p.role] = path.part_view(b, p).view(t.dtype).view(t.shape)
+                views.setdefault(p.source, [None] * 2)[p.role] = p.target.view(path.part_view(b, p))
+                layouts.setdefault(p.source, [None] * 2)[p.role] = p.target.layout
         self._bucket_encoders = []
         for b in plan.buckets:
             by_format: dict[str, list[int]] = {}
@@ -319,7 +321,11 @@ class Sender:
             for fmt_name, idx in by_format.items():
                 specs = [(plan.sources[i].shape, plan.sources[i].dtype) for i in idx]
                 outs = [[v for v in views[i] if v is not None] for i in idx]
-                encs.append((idx, get_format(fmt_name).encoder(specs, outs, screen=not self.check_finite)))
+                kernel_layouts = [layouts[i][: len(outs[n])] for n, i in enumerate(idx)]
+                encoder = get_format(fmt_name).encoder(
+                    specs, outs, screen=not self.check_finite, layouts=kernel_layouts if any(map(any, kernel_layouts)) else None
+                )
+                encs.append((idx, encoder))
             self._bucket_encoders.append(encs)
         self._bad = bad_flag(self.device)
         self._sums = [ByteSum([path.run_view(b, r) for r in b.runs]) for b in plan.buckets] if self.verify else []

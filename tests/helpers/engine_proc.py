@@ -153,14 +153,22 @@ def faulty_trainer(
 
 
 def serve_layout(
-    conn, shape, post: bool, timeout_s: float, experts: str = "per_expert", device: str = "cpu", transactional: bool = False
+    conn,
+    shape,
+    post: bool,
+    timeout_s: float,
+    experts: str = "per_expert",
+    device: str = "cpu",
+    transactional: bool = False,
+    direct_layout: bool = True,
 ) -> None:
     """An engine process holding vLLM's MXFP8 layout of ``shape`` in exportable memory
-    (direct writes), optionally post-processed into the TRT-LLM kernel layout."""
+    (direct writes), optionally in the TRT-LLM kernel layout: written in place by the trainer
+    where the sources allow (``direct_layout``), post-processed from staging elsewhere."""
     from mxrefit.engine.layout import LayoutEngine
     from mxrefit.engine.receiver import Receiver
     from mxrefit.integrations.vllm.layout import vllm_destinations, vllm_params
-    from mxrefit.integrations.vllm.trtllm import vllm_mxfp8_units
+    from mxrefit.integrations.vllm.trtllm import vllm_mxfp8_kernel_tables
 
     logging.basicConfig(level=logging.INFO)
     from mxrefit.devices import resolve
@@ -169,8 +177,12 @@ def serve_layout(
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     params = vllm_params(shape, mxfp8=True)
-    units, kernel = vllm_mxfp8_units(shape, params, dev) if post else ((), {})
-    engine = LayoutEngine(params, vllm_destinations(shape, mxfp8=True, experts=experts), dev, units=units, kernel=kernel)
+    dests = vllm_destinations(shape, mxfp8=True, experts=experts)
+    if post:
+        k = vllm_mxfp8_kernel_tables(shape, params, dests, dev, direct=direct_layout)
+        engine = LayoutEngine(k.params, k.destinations, dev, units=k.units, kernel=k.kernel)
+    else:
+        engine = LayoutEngine(params, dests, dev)
     receiver = Receiver(engine, timeout_s=timeout_s, transactional=transactional)
     conn.send({"address": receiver.address, "token": receiver.token})
     try:

@@ -1,8 +1,9 @@
 """The direct transport: the trainer writes straight into the engine's exported memory.
 
 Real processes and real shared memory stand in for CUDA IPC (the same code path: export,
-open once, encode into views); the engine holds vLLM's MXFP8 layout of a tiny Qwen3-MoE and
-post-processes it layer by layer into the TRT-LLM kernel layout from a staging pool.
+open once, encode into views); the engine holds vLLM's MXFP8 layout of a tiny Qwen3-MoE in the
+TRT-LLM kernel layout: written in place by the trainer where its tables advertise it, and
+post-processed layer by layer from a staging pool elsewhere.
 """
 
 from __future__ import annotations
@@ -29,9 +30,17 @@ SHAPE = replace(BUILTIN["tiny-qwen3-moe"], layers=4, vocab=512)  # buckets span 
 
 
 class LayoutEngineProc:
-    def __init__(self, post: bool = True, timeout_s: float = 20.0, device: str = "cpu"):
+    def __init__(
+        self,
+        post: bool = True,
+        timeout_s: float = 20.0,
+        device: str = "cpu",
+        experts: str = "per_expert",
+        direct_layout: bool = True,
+    ):
         self.conn, child = CTX.Pipe()
-        self.proc = CTX.Process(target=serve_layout, args=(child, SHAPE, post, timeout_s, "per_expert", device), daemon=True)
+        args = (child, SHAPE, post, timeout_s, experts, device, False, direct_layout)
+        self.proc = CTX.Process(target=serve_layout, args=args, daemon=True)
         self.proc.start()
         assert self.conn.poll(120), "engine did not start"
         hello = self.conn.recv()
@@ -47,15 +56,15 @@ class LayoutEngineProc:
         return final
 
 
-def _weights(seed: int, device: str = "cpu") -> dict[str, torch.Tensor]:
-    specs = [SourceSpec(n, s, dt) for n, s, dt in hf_tensor_specs(SHAPE)]
+def _weights(seed: int, device: str = "cpu", experts: str = "per_expert") -> dict[str, torch.Tensor]:
+    specs = [SourceSpec(n, s, dt) for n, s, dt in hf_tensor_specs(SHAPE, experts=experts)]
     return make_weights(specs, torch.device(device), seed=seed)
 
 
-def mismatched_params(sender: Sender, weights: dict[str, torch.Tensor], post: bool) -> list[str]:
+def mismatched_params(sender: Sender, weights: dict[str, torch.Tensor], post: bool, experts: str = "per_expert") -> list[str]:
     """Every engine param whose served bytes differ from what the trainer's tensors must give."""
     params = vllm_params(SHAPE, mxfp8=True)
-    dests = vllm_destinations(SHAPE, mxfp8=True)
+    dests = vllm_destinations(SHAPE, mxfp8=True, experts=experts)
     kernel = _post_params(SHAPE, "trtllm" if post else "none")
     ranges, want = [], []
     for name, spec in params.items():
@@ -104,6 +113,37 @@ def test_direct_refits_land_exactly_and_staging_stays_small(post):
         # only the units in flight hold staging: less than a checkpoint-format copy of them all
         staged_total = sum(p.nbytes for n, p in vllm_params(SHAPE, mxfp8=True).items() if n in _post_params(SHAPE, "trtllm"))
         assert 0 < final["staging_bytes"] < staged_total
+
+
+@pytest.mark.parametrize("transport", ["direct", "shm"])
+def test_kernel_layouts_written_by_the_trainer_need_no_engine_pass(transport):
+    """Grouped expert slabs: every TRT-LLM param is advertised in its kernel layout, so the engine
+    stages nothing and processes nothing, and its bytes equal the two-pass reference, whether
+    the trainer writes the engine's memory or a buffer the engine copies from."""
+    engine = LayoutEngineProc(experts="grouped")
+    sender = Sender(engine.address, engine.token, bucket_bytes=96 << 10, transport=transport)
+    try:
+        for seed in (21, 22):
+            weights = _weights(seed, experts="grouped")
+            assert sender.refit(weights).transport == transport
+            assert mismatched_params(sender, weights, True, experts="grouped") == []
+        laid = {t.param for d in sender._tables[1].values() for t in d.targets if t.layout is not None}
+        assert laid == _post_params(SHAPE, "trtllm")
+    finally:
+        final = engine.stop(sender)
+    assert final["staging_bytes"] == 0
+
+
+def test_the_two_pass_fallback_still_lands_exactly():
+    engine = LayoutEngineProc(direct_layout=False)
+    sender = Sender(engine.address, engine.token, bucket_bytes=96 << 10)
+    try:
+        weights = _weights(31)
+        sender.refit(weights)
+        assert mismatched_params(sender, weights, True) == []
+        assert not any(t.layout for d in sender._tables[1].values() for t in d.targets)
+    finally:
+        engine.stop(sender)
 
 
 def test_a_stream_is_sent_bucket_by_bucket_and_a_bad_tensor_late_in_it_aborts():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mxrefit.engine.shards import check_shards, local_nbytes, run_copies, strided
+from mxrefit.formats.kernel_layout import KernelLayout
 from mxrefit.plan.types import Destination, ParamSpec, Shard, Target
 
 
@@ -122,3 +124,13 @@ def test_slices_of_a_format_without_a_slicing_rule_are_refused():
     )
     with pytest.raises(ValueError, match="'w'.*fp8-block"):
         check_shards(params, {"w": dest}, {"w": Shard(0, 128, ((0, 128, 0),))})
+
+
+def test_slices_of_a_param_in_a_kernel_layout_are_refused():
+    params, dests, shards = _mxfp8_tables(Shard(0, 32, ((32, 64, 0),)), Shard(0, 32, ((32, 64, 0),)))
+    values, scales = dests["w"].targets
+    laid = replace(dests["w"], targets=(replace(values, layout=KernelLayout(rows="trtllm")), scales))
+    check_shards(params, dests, shards)
+    with pytest.raises(ValueError, match=r"'w'.*kernel layout") as err:
+        check_shards(params, {"w": laid}, shards)
+    assert "'w'" in str(err.value)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from mxrefit.engine.layout import LayoutEngine
 from mxrefit.engine.staging import StagedUnit, StagingPool, assign_regions
 from mxrefit.integrations.vllm.layout import vllm_destinations, vllm_params
-from mxrefit.integrations.vllm.trtllm import vllm_mxfp8_units
+from mxrefit.integrations.vllm.trtllm import vllm_mxfp8_kernel_tables
 from mxrefit.plan.build import SourceSpec, build_plan
 from mxrefit.plan.shapes import BUILTIN, hf_tensor_specs
 from mxrefit.plan.types import ParamSpec
@@ -95,7 +95,8 @@ def test_a_unit_no_trainer_tensor_writes_is_refused():
 
 def test_layout_engine_with_trtllm_units_places_its_pool_per_plan():
     shape, params, dests, plan = _layout_plan(layers=3, bucket_bytes=96 << 10)
-    units, kernel = vllm_mxfp8_units(shape, params, torch.device("cpu"))
+    k = vllm_mxfp8_kernel_tables(shape, params, dests, torch.device("cpu"), direct=False)
+    units, kernel = k.units, k.kernel
     engine = LayoutEngine(params, dests, "cpu", units=units, kernel=kernel)
     engine.prepare(plan)
     staged = [n for n in params if engine.staging.staged(n)]

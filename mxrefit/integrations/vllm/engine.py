@@ -21,8 +21,12 @@ vLLM's own loader (``model.load_weights`` inside its layerwise reload) from chec
 staging, with a warning naming the parameters on that slow path.
 
 On FlashInfer's TRT-LLM MXFP8 MoE backend (Blackwell), MoE layers skip vLLM's three-gather
-shuffle for the folded one-pass layout of ``mxrefit/integrations/vllm/trtllm.py``; with ``MXREFIT_VERIFY=1``
-the first refit also runs vLLM's own processing and compares the bytes.
+shuffle: where the trainer's sources cover whole experts (grouped expert slabs; per-expert
+down_proj) the tables advertise the kernel layout and the trainer's quantize kernel writes it,
+so the layer's processing is a copy from staging into the live params; elsewhere (per-expert
+gate/up halves) the folded one-pass layout of ``mxrefit/integrations/vllm/trtllm.py`` runs.
+With ``MXREFIT_VERIFY=1`` the first refit also runs vLLM's own processing on the checkpoint
+bytes and compares.
 
 vLLM 0.26 to 0.34 differ in some of what this module touches; ``mxrefit/integrations/vllm/compat.py`` holds
 one adapter per difference, chosen by feature detection (docs/vllm.md §4).
@@ -45,6 +49,7 @@ from mxrefit.devices import resolve
 from mxrefit.engine.base import Engine
 from mxrefit.engine.probed_layout import LayoutCache, tensor_signature
 from mxrefit.engine.staging import StagedUnit, StagingPool
+from mxrefit.formats.kernel_layout import KernelLayout, read_reference
 from mxrefit.integrations.vllm.compat import (
     TESTED_VLLM,
     VllmSetupError,
@@ -60,11 +65,12 @@ from mxrefit.integrations.vllm.layout import (
     QUANT_LAYOUTS,
     QuantLayout,
     quantized_param_names,
+    scale_param,
     vllm_destinations,
     vllm_params,
     vllm_shards,
 )
-from mxrefit.integrations.vllm.trtllm import MoeLayout, check_moe_alignment
+from mxrefit.integrations.vllm.trtllm import MoeLayout, check_moe_alignment, moe_direct_targets, moe_row_order
 from mxrefit.plan.shapes import EXPERT_LAYOUTS, ModelShape
 from mxrefit.plan.types import Destination, ParamSpec, Shard, Target
 
@@ -602,6 +608,7 @@ class VllmEngine(Engine):
             )
         self._params = params
         self._destinations = dests
+        self._laid_out: dict[str, KernelLayout] = {} if self.slow_path else self._advertise_trtllm_layouts()
         self.units = self._units(live)
         self.pool = StagingPool(params, self.units, self._device)
         self._post_load_hooks = self._hooks()
@@ -638,10 +645,42 @@ class VllmEngine(Engine):
         self.slow_path = []
         self._params = params
         self._destinations = dests
+        self._laid_out = {}  # a rank's slices of permuted rows are not rows of the checkpoint: no kernel layouts
         self._shards = shards
         self.units = self._units(live)
         self.pool = StagingPool({n: self._local_spec(n) for n in params}, self.units, self._device)
         self._post_load_hooks = self._hooks()
+
+    def _advertise_trtllm_layouts(self) -> dict[str, KernelLayout]:
+        """Put FlashInfer's TRT-LLM kernel layout on the targets of every TRT-LLM MoE param whose
+        sources cover whole experts (``trtllm.moe_direct_targets``): the trainer's quantize kernel
+        then writes the kernel layout, and processing that layer is a plain copy into the live
+        params. Returns the layout of each such param (values: rows; scales: rows and tiles)."""
+        laid: dict[str, KernelLayout] = {}
+        for name, spec in self._params.items():
+            mname, _, attr = name.rpartition(".")
+            if attr not in ("w13_weight", "w2_weight") or not _trtllm_moe(self.model.get_submodule(mname)):
+                continue
+            e, m, k = spec.shape
+            try:
+                check_moe_alignment(name, m, k)
+            except ValueError as err:
+                raise VllmSetupError(str(err)) from None
+            gated = attr == "w13_weight" and bool(getattr(self.model.get_submodule(mname).moe_config, "is_act_and_mul", True))
+            dests = moe_direct_targets(self._destinations, name, m, k, gated)
+            if dests is None:
+                continue
+            self._destinations = dests
+            laid[name] = KernelLayout(rows=moe_row_order(gated))
+            laid[scale_param(name)] = KernelLayout(rows=moe_row_order(gated), tiles="128x4")
+        return laid
+
+    def _as_checkpoint(self, param: str, t: torch.Tensor) -> torch.Tensor:
+        """``param``'s staged bytes in the checkpoint layout (the trainer may have written its kernel layout)."""
+        layout = self._laid_out.get(param)
+        if layout is None:
+            return t
+        return read_reference(layout, t.reshape(-1).view(torch.uint8), tuple(t.shape), t.dtype)
 
     def _local_spec(self, name: str) -> ParamSpec:
         """The param as this rank holds it (its slice's shape on a tensor-parallel rank)."""
@@ -716,12 +755,12 @@ class VllmEngine(Engine):
         staged = {attr: tensors[p] for attr, p in unit.attrs.items()}
         if self._checkpoint is not None:
             for p in unit.attrs.values():
-                flat = tensors[p].reshape(-1).view(torch.uint8)
+                flat = self._as_checkpoint(p, tensors[p]).reshape(-1).view(torch.uint8)
                 for name, t in self._checkpoint_targets.get(p, ()):
                     self._checkpoint[name] = flat[t.offset : t.offset + t.nbytes].view(t.dtype).view(t.shape).to("cpu", copy=True)
         module = unit.module
         if _trtllm_moe(module):
-            self._trtllm_fast_path(module, staged)
+            self._trtllm_fast_path(module, staged, unit.attrs)
         elif self._layouts is not None and (_marlin_mxfp8(module) or self._learn_quantized and _quantized(module)):
             self._learned_layout(self._layouts, module, staged)
         elif _needs_vllm_processing(module):
@@ -769,16 +808,24 @@ class VllmEngine(Engine):
                 self.learned_layouts[what] = f"learned ({result.index_bytes / 2**20:.1f} MiB of index)"
                 log.info("mxrefit: learned the layout of %s (%.1f MiB of index)", what, result.index_bytes / 2**20)
 
-    def _trtllm_fast_path(self, module: torch.nn.Module, staged: dict[str, torch.Tensor]) -> None:
+    def _trtllm_fast_path(self, module: torch.nn.Module, staged: dict[str, torch.Tensor], names: dict[str, str]) -> None:
+        """The layer's bytes into FlashInfer's TRT-LLM layout: a plain copy where the trainer wrote that
+        layout already (``_advertise_trtllm_layouts``), else one folded gather per param
+        (``trtllm.MoeLayout``). With ``MXREFIT_VERIFY=1`` the first layer is also run through vLLM's
+        own processing from the checkpoint bytes, and both results must be equal byte for byte."""
         gated = bool(getattr(module.moe_config, "is_act_and_mul", True))
         want = None
         if self.verify and not self._verified:
-            _process_with_vllm(module, staged)
+            _process_with_vllm(module, {a: self._as_checkpoint(names[a], t) for a, t in staged.items()})
             want = {a: getattr(module, a).detach().clone() for a in staged}
         for attr, t in staged.items():
+            live = getattr(module, attr).data.view(torch.uint8)
+            u8 = t.view(torch.uint8) if t.dtype != torch.uint8 else t
+            if names[attr] in self._laid_out:
+                live.view(-1).copy_(u8.reshape(-1))
+                continue
             e, m, k = t.shape
-            layout = MoeLayout(e, m, k, gated and attr.startswith("w13"), t.device, scales=attr.endswith("_scale"))
-            layout(t.view(torch.uint8) if t.dtype != torch.uint8 else t, getattr(module, attr).data.view(torch.uint8))
+            MoeLayout(e, m, k, gated and attr.startswith("w13"), t.device, scales=attr.endswith("_scale"))(u8, live)
         if want is not None:
             bad = [a for a, w in want.items() if not torch.equal(w.view(torch.uint8), getattr(module, a).data.view(torch.uint8))]
             if bad:

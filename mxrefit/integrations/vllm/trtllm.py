@@ -22,62 +22,34 @@ The formulas are checked on CPU against vLLM's own pure-torch ``swap_w13_to_w31`
 
 from __future__ import annotations
 
-import functools
+from dataclasses import dataclass, replace
 
 import torch
 
 from mxrefit.devices import triton_kernels
 from mxrefit.engine.staging import StagedUnit
+from mxrefit.formats.kernel_layout import (
+    TILE_COLS,
+    TILE_ROWS,
+    KernelLayout,
+    interleave_index,
+    interleaved_size,
+    row_permutation,
+)
 from mxrefit.integrations.vllm.layout import EXPERTS, quantized_param_names, scale_param
+from mxrefit.plan.types import Destination, ParamSpec, Target
 
 SCALE_BLOCK = 32
-TILE_ROWS = 128
-TILE_COLS = 4
 
 
-def swap_rows(m: int) -> torch.Tensor:
-    """``idx`` with ``new = old[idx]`` turning rows [w1; w3] into [w3; w1]."""
-    return (torch.arange(m) + m // 2) % m
+def moe_row_order(gated: bool) -> str:
+    """The ``KernelLayout`` row order of a MoE weight: w13 of a gated MoE, or any other."""
+    return "trtllm-gated" if gated else "trtllm"
 
 
-def gated_reorder_rows(m: int) -> torch.Tensor:
-    """Interleave the two halves: new row 2i is old row i, new row 2i+1 is old row m/2 + i."""
-    half = torch.arange(m // 2)
-    return torch.stack([half, half + m // 2], dim=1).reshape(m)
-
-
-def shuffle_rows(m: int, epilogue_tile_m: int = TILE_ROWS) -> torch.Tensor:
-    """``shuffle_matrix_a``'s row order: blocks of 32 rows read as [8, 4] and transposed."""
-    if m % 32:
-        raise ValueError(f"the TRT-LLM row shuffle needs a row count divisible by 32, got {m}")
-    return torch.arange(m).view(m // 32, 8, 4).transpose(1, 2).reshape(m)
-
-
-@functools.lru_cache(maxsize=64)
 def moe_row_permutation(m: int, gated: bool) -> torch.Tensor:
     """The composed per-expert row permutation P (``kernel_rows = checkpoint_rows[P]``)."""
-    p = shuffle_rows(m)
-    if gated:
-        p = swap_rows(m)[gated_reorder_rows(m)[p]]
-    return p
-
-
-def interleaved_size(rows: int, cols: int) -> int:
-    """Bytes of the 128x4-tiled scale layout of a [rows, cols] scale matrix (zero padded)."""
-    return (-(-rows // TILE_ROWS) * TILE_ROWS) * (-(-cols // TILE_COLS) * TILE_COLS)
-
-
-@functools.lru_cache(maxsize=64)
-def interleave_index(rows: int, cols: int) -> torch.Tensor:
-    """For each byte (r, c) of a row-major [rows, cols] scale matrix, its offset in the 128x4 layout.
-
-    offset = (r//128)·(Cp/4)·512 + (c//4)·512 + (r%32)·16 + ((r%128)//32)·4 + c%4 (DESIGN.md).
-    """
-    cp = -(-cols // TILE_COLS) * TILE_COLS
-    r = torch.arange(rows).view(rows, 1)
-    c = torch.arange(cols).view(1, cols)
-    off = (r // 128) * (cp // 4) * 512 + (c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
-    return off.reshape(-1)
+    return row_permutation(moe_row_order(gated), m)
 
 
 def check_moe_alignment(name: str, rows: int, k: int) -> None:
@@ -134,14 +106,83 @@ class LinearScaleLayout:
             kernel.view(-1).index_copy_(0, self.scatter, staged.reshape(-1))
 
 
-def vllm_mxfp8_units(shape, params: dict, device: torch.device) -> tuple[list, dict[str, torch.Tensor]]:
-    """Staged units and kernel tensors that turn vLLM's MXFP8 checkpoint layout into the layout
-    FlashInfer's kernels read: MoE values and scales shuffled/interleaved, linear scales swizzled.
+def _writers(dests: dict[str, Destination], param: str) -> list[tuple[str, int, Target]]:
+    """(destination, part index, target) of every target landing in ``param``."""
+    return [(d.name, i, t) for d in dests.values() for i, t in enumerate(d.targets) if t.param == param]
 
-    ``shape`` is a ``mxrefit.plan.shapes.ModelShape``, ``params`` its ``vllm_params(shape, mxfp8=True)``.
-    Returns (units, kernel) for ``LayoutEngine(..., units=units, kernel=kernel)``.
+
+def _with_targets(dests: dict[str, Destination], new: dict[tuple[str, int], Target]) -> dict[str, Destination]:
+    out = dict(dests)
+    for name in {n for n, _ in new}:
+        d = out[name]
+        out[name] = replace(d, targets=tuple(new.get((name, i), t) for i, t in enumerate(d.targets)))
+    return out
+
+
+def moe_direct_targets(dests: dict[str, Destination], name: str, rows: int, k: int, gated: bool) -> dict[str, Destination] | None:
+    """``dests`` with every target of MoE values param ``name`` ([E, rows, k]) and of its scales in
+    the TRT-LLM kernel layout (written by the trainer's quantize kernel), or None where a source
+    covers only part of an expert: per-expert gate/up names split an expert's rows, and the
+    kernel order interleaves the halves, so no contiguous byte range holds one of them (that
+    param keeps the engine's pass). Checked by the caller: rows % 128 and K % 128
+    (``check_moe_alignment``), so the scale tiles have no padding and keep each expert's bytes."""
+    scales = {d: (j, t) for d, j, t in _writers(dests, scale_param(name))}
+    order = moe_row_order(gated)
+    new = {}
+    for dname, i, t in _writers(dests, name):
+        if len(t.shape) not in (2, 3) or t.shape[-2] != rows or t.offset % (rows * k) or dname not in scales:
+            return None
+        j, st = scales[dname]
+        new[(dname, i)] = replace(t, layout=KernelLayout(rows=order))
+        new[(dname, j)] = replace(st, layout=KernelLayout(rows=order, tiles="128x4"))
+    return _with_targets(dests, new) if new else None
+
+
+def linear_scale_direct_targets(dests: dict[str, Destination], sname: str, rows: int, cols: int) -> dict[str, Destination] | None:
+    """``dests`` with every target of linear scale param ``sname`` ([rows, cols]) 128x4-tiled at its
+    place in the fused param's tiles, or None where a fused partition does not own whole 128-row
+    tile bands (it starts off a band, or ends off one before the last): its bytes would share
+    tiles with its neighbour's, and then the engine swizzles after the refit as before."""
+    writers = _writers(dests, sname)
+    cp = -(-cols // TILE_COLS) * TILE_COLS
+    new = {}
+    for dname, i, t in writers:
+        row0, n = t.offset // cols, t.shape[0]
+        if len(t.shape) != 2 or t.offset % cols or row0 % TILE_ROWS or (n % TILE_ROWS and row0 + n != rows):
+            return None
+        new[(dname, i)] = Target(sname, row0 * cp, t.shape, t.dtype, KernelLayout(tiles="128x4"))
+    return _with_targets(dests, new)
+
+
+@dataclass
+class KernelTables:
+    """An engine in FlashInfer's kernel layouts: its tables (kernel-layout targets where the
+    trainer writes that layout), the staged units that bring the rest there after each refit,
+    and the kernel tensors those units write (``LayoutEngine(params, destinations, units=..., kernel=...)``)."""
+
+    params: dict[str, ParamSpec]
+    destinations: dict[str, Destination]
+    units: list[StagedUnit]
+    kernel: dict[str, torch.Tensor]
+    direct: list[str]  # params the trainer writes in their kernel layout: no pass after the refit
+
+
+def vllm_mxfp8_kernel_tables(
+    shape, params: dict[str, ParamSpec], dests: dict[str, Destination], device: torch.device, *, direct: bool = True
+) -> KernelTables:
+    """vLLM's MXFP8 checkpoint layout brought into the layout FlashInfer's kernels read: MoE values
+    and scales shuffled and interleaved, linear scales swizzled.
+
+    With ``direct`` every param whose sources allow it (``moe_direct_targets``,
+    ``linear_scale_direct_targets``) is written by the trainer in that layout, in place; the
+    others (and all with ``direct=False``) are staged in the checkpoint layout and moved by one
+    pass each after their last bucket. ``shape`` is a ``mxrefit.plan.shapes.ModelShape``,
+    ``params``/``dests`` its ``vllm_params``/``vllm_destinations`` in MXFP8.
     """
-    units, kernel = [], {}
+    params, dests = dict(params), dict(dests)
+    units: list[StagedUnit] = []
+    kernel: dict[str, torch.Tensor] = {}
+    written: list[str] = []
     for name in quantized_param_names(shape):
         spec = params[name]
         sname = scale_param(name)
@@ -150,6 +191,11 @@ def vllm_mxfp8_units(shape, params: dict, device: torch.device) -> tuple[list, d
             e, m, k = spec.shape
             check_moe_alignment(name, m, k)
             gated = name.endswith("w13_weight")
+            laid = moe_direct_targets(dests, name, m, k, gated) if direct else None
+            if laid is not None:
+                dests = laid
+                written += [name, sname]
+                continue
             values = MoeLayout(e, m, k, gated, device, scales=False)
             scales = MoeLayout(e, m, k // SCALE_BLOCK, gated, device, scales=True)
             kernel[name] = torch.empty(spec.shape, dtype=spec.dtype, device=device)
@@ -162,6 +208,12 @@ def vllm_mxfp8_units(shape, params: dict, device: torch.device) -> tuple[list, d
             units.append(StagedUnit(name, (name, sname), process_moe))
         else:
             rows, cols = sspec.shape
+            laid = linear_scale_direct_targets(dests, sname, rows, cols) if direct else None
+            if laid is not None:
+                dests = laid
+                params[sname] = ParamSpec(sname, (interleaved_size(rows, cols),), torch.uint8)
+                written.append(sname)
+                continue
             layout = LinearScaleLayout(rows, cols, device)
             kernel[sname] = torch.zeros(layout.out_bytes, dtype=torch.uint8, device=device)
 
@@ -169,7 +221,7 @@ def vllm_mxfp8_units(shape, params: dict, device: torch.device) -> tuple[list, d
                 layout(t[sname], kernel[sname])
 
             units.append(StagedUnit(sname, (sname,), process_linear))
-    return units, kernel
+    return KernelTables(params, dests, units, kernel, written)
 
 
 def reference_kernel_bytes(name: str, checkpoint: torch.Tensor) -> torch.Tensor:
