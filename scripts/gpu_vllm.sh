@@ -26,7 +26,7 @@
 #            sha256 of every parameter, buffer and plain kernel tensor of engine A and of each fresh vLLM compared
 #   bench    issue 23 on the GPU, one command after another (run it alone: it times): the same-process CUDA opens
 #            (pytest), `mxrefit bench` qwen3-30b-a3b 24 layers BF16 beside checkpoint-engine (its wheel from .whl/),
-#            the MXFP8 + TRT-LLM default, and the layer sweep 6,12,24,48 with its fit
+#            the MXFP8 + TRT-LLM default, the layer sweep 6,12,24,48 with its fit, and gpu_pack_profile.py (kernels alone)
 # Everything lands in /tmp/res, packed at the end into $OUT/vllm_h200_<parts>.tar.gz, plus $OUT/summary.txt.
 set -uo pipefail
 step=${1:?p1|p3|install|run}
@@ -134,6 +134,7 @@ if has bench; then
     # all 48 layers need the H200's memory (61 GB of BF16 beside the engine); an 80 GB H100 runs 24 and sweeps to 24
     mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
     if (( mib > 100000 )); then full=48 sweep=6,12,24,48; else full=24 sweep=6,12,18,24; fi
+    timeout 200 python3 scripts/gpu_pack_profile.py --json $RES/pack_profile.json > $RES/pack_profile.log 2>&1
     b peer_bf16 --layers 24 --format bf16 --mode prequant --peer checkpoint-engine --steps 5
     b mxfp8 --layers $full --mode prequant --steps 5
     b sweep --mode prequant --sweep-layers $sweep --steps 3 --plot $RES/sweep_30b.png
