@@ -136,7 +136,9 @@ if has bench; then
     if (( mib > 100000 )); then full=48 sweep=6,12,24,48; else full=24 sweep=6,12,18,24; fi
     timeout 200 python3 scripts/gpu_pack_profile.py --json $RES/pack_profile.json > $RES/pack_profile.log 2>&1
     b peer_bf16 --layers 24 --format bf16 --mode prequant --peer checkpoint-engine --steps 5
-    b mxfp8 --layers $full --mode prequant --steps 5
+    b mxfp8 --layers $full --mode checks --steps 5                            # default, fused screen, verify, transactional
+    b mxfp8_staged --layers $full --mode prequant --post trtllm-staged --steps 5  # the two-pass layout, for comparison
+    b mxfp8_grouped --layers $full --mode prequant --experts grouped --steps 5    # every TRT-LLM layout from the trainer
     b sweep --mode prequant --sweep-layers $sweep --steps 3 --plot $RES/sweep_30b.png
   } &
   pids+=($!)
