@@ -2,8 +2,9 @@
 
 Real processes and real shared memory stand in for CUDA IPC (the same code path: export,
 open once, encode into views); the engine holds vLLM's MXFP8 layout of a tiny Qwen3-MoE in the
-TRT-LLM kernel layout: written in place by the trainer where its tables advertise it, and
-post-processed layer by layer from a staging pool elsewhere.
+TRT-LLM kernel layout: written in place by the trainer where its tables advertise it (every
+TRT-LLM param, per-expert or grouped), and post-processed layer by layer from a staging pool
+on the two-pass path.
 """
 
 from __future__ import annotations
@@ -96,9 +97,12 @@ def test_cuda_direct_refits_land_exactly(post):
         engine.stop(sender)
 
 
-@pytest.mark.parametrize("post", [True, False], ids=["trtllm", "plain"])
-def test_direct_refits_land_exactly_and_staging_stays_small(post):
-    engine = LayoutEngineProc(post=post)
+@pytest.mark.parametrize("post,direct_layout", [(True, True), (True, False), (False, False)], ids=["trtllm", "staged", "plain"])
+def test_direct_refits_land_exactly_and_staging_stays_small(post, direct_layout):
+    """Per-expert names (the bench's default): with the kernel layouts advertised the trainer writes
+    every TRT-LLM param in place, gate and up rows into their shared w13 regions, so nothing is
+    staged; the two-pass path stages only the units in flight."""
+    engine = LayoutEngineProc(post=post, direct_layout=direct_layout)
     sender = Sender(engine.address, engine.token, bucket_bytes=96 << 10)
     try:
         for step, seed in enumerate((1, 2, 3)):
@@ -109,26 +113,32 @@ def test_direct_refits_land_exactly_and_staging_stays_small(post):
             assert mismatched_params(sender, weights, post) == []
     finally:
         final = engine.stop(sender)
-    if post:
-        # only the units in flight hold staging: less than a checkpoint-format copy of them all
-        staged_total = sum(p.nbytes for n, p in vllm_params(SHAPE, mxfp8=True).items() if n in _post_params(SHAPE, "trtllm"))
+    staged_total = sum(p.nbytes for n, p in vllm_params(SHAPE, mxfp8=True).items() if n in _post_params(SHAPE, "trtllm"))
+    if post and direct_layout:
+        assert final["staging_bytes"] == 0
+    elif post:  # only the units in flight hold staging: less than a checkpoint-format copy of them all
         assert 0 < final["staging_bytes"] < staged_total
 
 
+@pytest.mark.parametrize("experts", ["grouped", "per_expert"])
 @pytest.mark.parametrize("transport", ["direct", "shm"])
-def test_kernel_layouts_written_by_the_trainer_need_no_engine_pass(transport):
-    """Grouped expert slabs: every TRT-LLM param is advertised in its kernel layout, so the engine
-    stages nothing and processes nothing, and its bytes equal the two-pass reference, whether
-    the trainer writes the engine's memory or a buffer the engine copies from."""
-    engine = LayoutEngineProc(experts="grouped")
+def test_kernel_layouts_written_by_the_trainer_need_no_engine_pass(transport, experts):
+    """Grouped expert slabs and per-expert names alike: every TRT-LLM param is advertised in its
+    kernel layout (per-expert gate/up as rows of a shared w13 region), so the engine stages
+    nothing and processes nothing, and its bytes equal the two-pass reference, whether the
+    trainer writes the engine's memory or a buffer the engine copies from."""
+    engine = LayoutEngineProc(experts=experts)
     sender = Sender(engine.address, engine.token, bucket_bytes=96 << 10, transport=transport)
     try:
         for seed in (21, 22):
-            weights = _weights(seed, experts="grouped")
+            weights = _weights(seed, experts=experts)
             assert sender.refit(weights).transport == transport
-            assert mismatched_params(sender, weights, True, experts="grouped") == []
+            assert mismatched_params(sender, weights, True, experts=experts) == []
         laid = {t.param for d in sender._tables[1].values() for t in d.targets if t.layout is not None}
         assert laid == _post_params(SHAPE, "trtllm")
+        shared = [t for d in sender._tables[1].values() for t in d.targets if t.layout is not None and t.layout.shared]
+        assert bool(shared) == (experts == "per_expert")
+        assert len(sender.plan_.buckets) >= 4  # several buckets: over shm a region split by one would land stale rows
     finally:
         final = engine.stop(sender)
     assert final["staging_bytes"] == 0
