@@ -182,28 +182,27 @@ def layout_problem(layout: KernelLayout, role: str, shape: tuple[int, ...]) -> s
     return None
 
 
-def _byte_index(layout: KernelLayout, m: int, cb: int, device: torch.device) -> torch.Tensor:
-    """[m, cb]: the offset, within one expert's stored region, of each byte of the part's rows."""
+@functools.lru_cache(maxsize=64)
+def _tile_index(layout: KernelLayout, m: int, cb: int) -> torch.Tensor:
+    """Flat [m * cb]: the offset, within one expert's tiled region, of each byte of the part's rows."""
     rows = layout.region(m)
-    kernel_rows = layout.kernel_rows(m)
-    if layout.tiles is None:
-        index = kernel_rows.view(m, 1) * cb + torch.arange(cb).view(1, cb)
-    else:
-        index = interleave_index(rows, cb).view(rows, cb)[kernel_rows]
-    return index.to(device)
+    return interleave_index(rows, cb).view(rows, cb)[layout.kernel_rows(m)].reshape(-1)
 
 
 def write_reference(layout: KernelLayout, part: torch.Tensor, out: torch.Tensor) -> None:
     """Write ``part`` (checkpoint layout, [..., m, C]) into ``out`` (flat uint8, ``stored_bytes``: its
-    whole region) in ``layout``, by plain indexing: one scatter of its bytes to their offsets. A part
-    that is its own region zeroes the tile padding first; a part of a shared region writes only
-    its own rows' bytes (the plan refuses shared regions with padding)."""
+    whole region) in ``layout``, by plain indexing: its rows to their kernel rows, or its bytes to
+    their tile offsets. A part that is its own region zeroes the tile padding first; a part of a
+    shared region writes only its own rows' bytes (the plan refuses shared regions with padding)."""
     *lead, m, c = part.shape
     rows = part.contiguous().view(torch.uint8).reshape(math.prod(lead), m, -1)
     e, cb = rows.shape[0], rows.shape[2]
-    if layout.tiles is not None and not layout.shared:
+    if layout.tiles is None:
+        out.view(e, layout.region(m), cb).index_copy_(1, layout.kernel_rows(m).to(rows.device), rows)
+        return
+    if not layout.shared:
         out.zero_()
-    out.view(e, -1)[:, _byte_index(layout, m, cb, rows.device).reshape(-1)] = rows.reshape(e, -1)
+    out.view(e, -1).index_copy_(1, _tile_index(layout, m, cb).to(rows.device), rows.reshape(e, -1))
 
 
 def read_reference(layout: KernelLayout, stored: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -212,5 +211,8 @@ def read_reference(layout: KernelLayout, stored: torch.Tensor, shape: tuple[int,
     processing the checkpoint bytes a trainer wrote in the kernel layout (a check, never the refit path)."""
     *lead, m, c = shape
     e, cb = math.prod(lead), c * dtype.itemsize
-    rows = stored.view(e, -1)[:, _byte_index(layout, m, cb, stored.device).reshape(-1)]
+    if layout.tiles is None:
+        rows = stored.view(e, layout.region(m), cb)[:, layout.kernel_rows(m).to(stored.device)]
+    else:
+        rows = stored.view(e, -1)[:, _tile_index(layout, m, cb).to(stored.device)]
     return rows.contiguous().view(dtype).view(shape)
