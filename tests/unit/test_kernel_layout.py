@@ -8,6 +8,8 @@ on the grouped Triton kernel under Triton's interpreter, with a negative control
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -314,5 +316,5 @@ def test_read_reference_inverts_write_reference(shape, layout):
     write_reference(layout, x, out)
     assert torch.equal(read_reference(layout, out, shape, torch.uint8), x)
     if layout.rows is not None:  # negative control: the other row order does not give them back
-        wrong = KernelLayout(rows="trtllm" if layout.rows == "trtllm-gated" else "trtllm-gated", tiles=layout.tiles)
+        wrong = replace(layout, rows="trtllm" if layout.rows == "trtllm-gated" else "trtllm-gated")
         assert not torch.equal(read_reference(wrong, out, shape, torch.uint8), x)
