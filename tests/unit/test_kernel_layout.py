@@ -17,7 +17,13 @@ from mxrefit.formats import MXFP8, FP8Block
 from mxrefit.formats import mxfp8 as mx
 from mxrefit.formats.kernel_layout import KernelLayout, interleaved_size, read_reference, row_permutation, write_reference
 from mxrefit.integrations.vllm.layout import vllm_destinations, vllm_params
-from mxrefit.integrations.vllm.trtllm import LinearScaleLayout, MoeLayout, reference_kernel_bytes, vllm_mxfp8_kernel_tables
+from mxrefit.integrations.vllm.trtllm import (
+    LinearScaleLayout,
+    MoeLayout,
+    moe_direct_targets,
+    reference_kernel_bytes,
+    vllm_mxfp8_kernel_tables,
+)
 from mxrefit.plan.build import PlanMismatch, SourceSpec, build_plan, tables_from_msg, tables_to_msg
 from mxrefit.plan.shapes import BUILTIN, hf_tensor_specs
 from mxrefit.plan.types import Destination, ParamSpec, Target
@@ -318,3 +324,37 @@ def test_read_reference_inverts_write_reference(shape, layout):
     if layout.rows is not None:  # negative control: the other row order does not give them back
         wrong = replace(layout, rows="trtllm" if layout.rows == "trtllm-gated" else "trtllm-gated")
         assert not torch.equal(read_reference(wrong, out, shape, torch.uint8), x)
+
+
+def test_a_w13_written_by_per_expert_regions_reads_back_as_its_checkpoint():
+    """What ``VllmEngine`` hands vLLM's own processing under MXREFIT_VERIFY for a w13 that per-expert
+    gate/up wrote: ``read_reference`` with the whole param's layout (``_advertise_trtllm_layouts``)
+    gives back the checkpoint bytes of [w1; w3]."""
+    experts, rows, k = W13_CASES[0]
+    srcs, outs, layouts, (values, scales), _ = per_expert_w13(experts, rows, k, seed=50)
+    MXFP8().encoder([(tuple(x.shape), x.dtype) for x in srcs], outs, layouts=layouts)(srcs, torch.zeros(1, dtype=torch.int32))
+    ckpt_v, ckpt_s = mx.quantize(torch.stack([torch.cat(srcs[i : i + 2]) for i in range(0, len(srcs), 2)]), backend="torch")
+    got_v = read_reference(KernelLayout("trtllm-gated"), values, (experts, rows, k), mx.VALUE_DTYPE)
+    assert torch.equal(got_v.view(torch.uint8), ckpt_v.view(torch.uint8))
+    assert torch.equal(read_reference(KernelLayout("trtllm-gated", "128x4"), scales, tuple(ckpt_s.shape), torch.uint8), ckpt_s)
+    assert not torch.equal(read_reference(KernelLayout("trtllm", "128x4"), scales, tuple(ckpt_s.shape), torch.uint8), ckpt_s)
+
+
+def test_per_expert_gate_and_up_get_a_shared_region_only_where_they_cover_each_expert_once():
+    shape = BUILTIN["tiny-qwen3-moe"]
+    name = "model.layers.0.mlp.experts.routed_experts.w13_weight"
+    _, m, k = vllm_params(shape, mxfp8=True)[name].shape
+    dests = vllm_destinations(shape, mxfp8=True)
+    gate, up = (dests[f"model.layers.0.mlp.experts.1.{p}_proj.weight"] for p in ("gate", "up"))
+    laid = moe_direct_targets(dests, name, m, k, gated=True)
+    assert laid is not None
+    for d, first in ((gate, 0), (up, m // 2)):
+        values, scales = laid[d.name].targets
+        assert (values.offset, scales.offset) == (m * k, m * k // 32)  # expert 1's whole region
+        assert values.layout == KernelLayout("trtllm-gated", None, first, m)
+        assert scales.layout == KernelLayout("trtllm-gated", "128x4", first, m)
+    down = "model.layers.0.mlp.experts.routed_experts.w2_weight"
+    assert moe_direct_targets(dests, down, *vllm_params(shape, mxfp8=True)[down].shape[1:], gated=False) is not None
+    # an expert whose up rows come from nowhere keeps the engine's pass (the trainer cannot cover them)
+    no_up = {n: d for n, d in dests.items() if n != up.name}
+    assert moe_direct_targets(no_up, name, m, k, gated=True) is None

@@ -122,12 +122,20 @@ def test_the_format_refuses_regions_it_cannot_write():
         KernelLayout("trtllm", None, 32)
     with pytest.raises(ValueError, match="not a row of a region"):
         KernelLayout("trtllm", None, 256, 256)
-    fmt.check_layouts("w", fmt.parts((64, 128), torch.bfloat16), (KernelLayout("trtllm", None, 64, 256), KernelLayout("trtllm", "128x4", 64, 256)))
+    fmt.check_layouts(
+        "w",
+        fmt.parts((64, 128), torch.bfloat16),
+        (KernelLayout("trtllm", None, 64, 256), KernelLayout("trtllm", "128x4", 64, 256)),
+    )
 
 
 def test_tables_without_regions_keep_their_wire_form_and_digest():
     for experts, post in DIGESTS_BEFORE:
-        params, dests = tables(experts) if post == "trtllm" else (vllm_params(SHAPE, mxfp8=True), vllm_destinations(SHAPE, mxfp8=True, experts=experts))
+        params, dests = (
+            tables(experts)
+            if post == "trtllm"
+            else (vllm_params(SHAPE, mxfp8=True), vllm_destinations(SHAPE, mxfp8=True, experts=experts))
+        )
         assert not any(t.layout is not None and t.layout.shared for d in dests.values() for t in d.targets)
         assert build_plan(specs(experts), params, dests, bucket_bytes=96 << 10).digest == DIGESTS_BEFORE[(experts, post)]
         wire = tables_to_msg(params, dests)
