@@ -10,6 +10,7 @@ on the two-pass path.
 from __future__ import annotations
 
 import multiprocessing as mp
+import time
 from dataclasses import replace
 
 import msgpack
@@ -21,6 +22,7 @@ from mxrefit.integrations.vllm.layout import vllm_destinations, vllm_params
 from mxrefit.integrations.vllm.trtllm import reference_kernel_bytes
 from mxrefit.plan.build import SourceSpec
 from mxrefit.plan.shapes import BUILTIN, hf_tensor_specs
+from mxrefit.source.broadcast_sender import BroadcastSender
 from mxrefit.source.sender import RefitError, Sender
 from mxrefit.transport.direct import allocate, export_tensors, exportable, open_exports
 from tests.helpers.checks import sha
@@ -62,8 +64,11 @@ def _weights(seed: int, device: str = "cpu", experts: str = "per_expert") -> dic
     return make_weights(specs, torch.device(device), seed=seed)
 
 
-def mismatched_params(sender: Sender, weights: dict[str, torch.Tensor], post: bool, experts: str = "per_expert") -> list[str]:
-    """Every engine param whose served bytes differ from what the trainer's tensors must give."""
+def mismatched_params(
+    sender: Sender, weights: dict[str, torch.Tensor], post: bool, experts: str = "per_expert", rank: int | None = None
+) -> list[str]:
+    """Every engine param whose served bytes differ from what the trainer's tensors must give (on
+    engine ``rank`` alone, for a BroadcastSender)."""
     params = vllm_params(SHAPE, mxfp8=True)
     dests = vllm_destinations(SHAPE, mxfp8=True, experts=experts)
     kernel = _post_params(SHAPE, "trtllm" if post else "none")
@@ -73,7 +78,12 @@ def mismatched_params(sender: Sender, weights: dict[str, torch.Tensor], post: bo
         expected = reference_kernel_bytes(name, ckpt.view(spec.dtype).view(spec.shape)) if name in kernel else ckpt
         ranges.append([name, 0, expected.numel()])
         want.append(sha(expected))
-    got = sender.client.request({"op": "checksum", "ranges": ranges}, 30, step="checksums")["sha256"]
+    msg = {"op": "checksum", "ranges": ranges}
+    if rank is None:
+        got = sender.client.request(msg, 30, step="checksums")["sha256"]
+    else:
+        sender.client.send_to(rank, msg)
+        got = sender.client.recv_from(rank, time.monotonic() + 30, "checksums")["sha256"]
     return [r[0] for r, g, w in zip(ranges, got, want) if g != w]
 
 
@@ -142,6 +152,26 @@ def test_kernel_layouts_written_by_the_trainer_need_no_engine_pass(transport, ex
     finally:
         final = engine.stop(sender)
     assert final["staging_bytes"] == 0
+
+
+def test_kernel_layouts_broadcast_to_every_rank_land_exactly():
+    """Two engine ranks over a broadcast group: the per-expert regions and every other kernel layout
+    reach both ranks' memory equal to the two-pass reference, with nothing staged."""
+    engines = [LayoutEngineProc(), LayoutEngineProc()]
+    sender = BroadcastSender(
+        [(e.address, e.token) for e in engines], bucket_bytes=96 << 10, timeout_s=30, rendezvous_timeout_s=30
+    )
+    try:
+        for seed in (41, 42):
+            weights = _weights(seed)
+            assert sender.refit(weights).transport == "broadcast"
+            assert [mismatched_params(sender, weights, True, rank=i) for i in range(2)] == [[], []]
+        assert any(t.layout is not None and t.layout.shared for d in sender._tables[1].values() for t in d.targets)
+        assert mismatched_params(sender, _weights(43), True, rank=1)  # negative control: other weights differ
+    finally:
+        sender.close(shutdown_engine=True)
+        finals = [e.stop() for e in engines]
+    assert [f["staging_bytes"] for f in finals] == [0, 0]
 
 
 def test_the_two_pass_fallback_still_lands_exactly():
