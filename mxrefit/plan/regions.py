@@ -41,6 +41,18 @@ def shared_regions(targets: Mapping[int, Sequence[Target]]) -> dict[RegionKey, l
     return regions
 
 
+def _describes(t: Target) -> tuple:
+    """What every writer of a region must say alike: all of its target but the rows it holds."""
+    lay = t.layout
+    return (lay.rows, lay.tiles, lay.region_rows) if lay else None, t.dtype, t.shape[:-2], t.shape[-1], t.nbytes
+
+
+def _rows(t: Target) -> tuple[int, int]:
+    """[first, end) of the region's rows per expert that ``t`` holds."""
+    first = t.layout.row_offset if t.layout else 0
+    return first, first + t.shape[-2]
+
+
 def region_problems(
     names: Sequence[str], targets: Mapping[int, Sequence[Target]], regions: Mapping[RegionKey, list[tuple[int, int]]]
 ) -> list[str]:
@@ -50,24 +62,17 @@ def region_problems(
     for (param, offset), members in regions.items():
         where = f"shared region at byte {offset} of {param!r}"
         parts = [(names[s], targets[s][r]) for s, r in members]
-        first = parts[0][1]
-
-        def signature(t: Target) -> tuple:
-            lay = t.layout
-            assert lay is not None
-            return lay.rows, lay.tiles, lay.region_rows, t.dtype, t.shape[:-2], t.shape[-1], t.nbytes
-
-        odd = [name for name, t in parts if signature(t) != signature(first)]
+        first_name, first = parts[0]
+        odd = [name for name, t in parts if _describes(t) != _describes(first)]
         if odd:
             problems.append(
-                f"{where}: {odd[0]!r} describes it otherwise than {parts[0][0]!r} (its writers share one row "
+                f"{where}: {odd[0]!r} describes it otherwise than {first_name!r} (its writers share one row "
                 f"order, tiling, region rows, dtype and row width)"
             )
             continue
-        assert first.layout is not None and first.layout.region_rows is not None
-        total = first.layout.region_rows
+        total = first.layout.region_rows if first.layout and first.layout.region_rows else 0
         pos, last = 0, ""
-        for start, end, name in sorted((t.layout.row_offset, t.layout.row_offset + t.shape[-2], n) for n, t in parts if t.layout):
+        for start, end, name in sorted((*_rows(t), name) for name, t in parts):
             if start < pos:
                 problems.append(f"{where}: rows [{start}, {min(end, pos)}) are written by both {last!r} and {name!r}")
             elif start > pos:
