@@ -6,10 +6,10 @@ qkv / w13 / w2; embeddings, router, norms, lm_head BF16):
 - ``mxfp8`` (default): E4M3 values + uint8 scales per 32 (ModelOpt MXFP8). With
   ``post="trtllm"`` (its default) the engine holds FlashInfer's TRT-LLM kernel layout (MoE
   values/scales shuffled and interleaved, linear scales swizzled) and advertises it in its
-  tables, so the trainer's quantize kernel writes it in place; only the params it cannot
-  (per-expert gate/up halves of w13, linear partitions off the 128-row tiles) are staged and
-  moved after every refit, timed as its own phase. ``post="trtllm-staged"`` stages every one
-  of them (the two-pass path, for comparison).
+  tables, so the trainer's quantize kernel writes it in place (per-expert gate/up into their
+  expert's shared w13 region); only the params it cannot (linear partitions off the 128-row
+  tiles) are staged and moved after every refit, timed as its own phase.
+  ``post="trtllm-staged"`` stages every one of them (the two-pass path, for comparison).
 - ``fp8-block`` / ``fp8-block-ue8m0``: E4M3 values + float32 ``scale_inv`` per 128x128 tile
   (``Fp8Config``; float32 ``amax / 448`` or power-of-two scales). No post-process
   (``post="none"``, required): Hopper's generic block kernel (CUTLASS/Triton) reads the

@@ -207,8 +207,9 @@ class MXFP8(Format):
         mxfp8.check_quantizable(tuple(shape), dtype, name)
 
     def check_layouts(self, name, parts, layouts):
-        """Values: a row order only; scales: a row order and/or 128x4 tiles; one row order for both
-        (a scale byte must sit in the row of its values)."""
+        """Values: a row order only; scales: a row order and/or 128x4 tiles; one row order and one
+        region for both (a scale byte must sit in the row of its values); a shared region without
+        tile padding (no writer owns the padding bytes to zero them)."""
         for spec, layout in zip(parts, layouts):
             if layout is None:
                 continue
@@ -217,11 +218,17 @@ class MXFP8(Format):
             problem = layout_problem(layout, spec.role, tuple(spec.shape))
             if problem is not None:
                 raise ValueError(f"tensor {name!r}: cannot write kernel layout {layout}: {problem}")
-        orders = [lay.rows if lay is not None else None for lay in layouts]
-        if len(set(orders)) > 1:
+            if layout.shared and layout.padded(tuple(spec.shape), spec.dtype):
+                raise ValueError(
+                    f"tensor {name!r}: cannot write kernel layout {layout}: the {spec.role}' region of "
+                    f"{layout.region(spec.shape[-2])} rows is tile padded, and a region several sources share "
+                    f"needs whole 128x4 tiles"
+                )
+        rows = [(lay.rows, lay.row_offset, lay.region_rows) if lay is not None else (None, 0, None) for lay in layouts]
+        if len(set(rows)) > 1:
             raise ValueError(
-                f"tensor {name!r}: MXFP8 values and scales must share one row order (a scale byte sits in its "
-                f"values' row); the engine asks for {orders[0]} and {orders[1]}"
+                f"tensor {name!r}: MXFP8 values and scales must share one row order and region (a scale byte sits "
+                f"in its values' row); the engine asks for {layouts[0]} and {layouts[1]}"
             )
 
     def encoder(self, sources, outs, *, screen=False, layouts=None):  # the kernels and the torch path always report

@@ -135,6 +135,8 @@ def _layout_group_kernel(
     scales_addr,
     bad_ptr,
     rows_of,
+    region_rows_of,
+    row_offset_of,
     kblocks_of,
     inverse_addr,
     tiled_of,
@@ -147,9 +149,11 @@ def _layout_group_kernel(
     ALIGNED: tl.constexpr,
 ):
     """``_group_kernel`` writing kernel layouts: block (expert e, row m, block column kb) of a
-    tensor with M rows per expert lands on kernel row ``e*M + inverse[m]``; its scale byte at that
-    row's place in the 128x4 tiles (``tile_bytes`` per expert, ``col_groups`` = ceil(KB/4)) when the
-    tensor's scales are tiled, else row-major."""
+    tensor with m_rows rows per expert in a region of R rows per expert from row ``row_offset``
+    (R = m_rows, offset 0 unless the region is shared) lands on kernel row
+    ``e*R + inverse[row_offset + m]``; its scale byte at that row's place in the 128x4 tiles
+    (``tile_bytes`` per expert, ``col_groups`` = ceil(KB/4)) when the tensor's scales are tiled,
+    else row-major."""
     pid = tl.program_id(0)
     t = tl.load(prog_tensor + pid)
     blk = tl.load(prog_block + pid).to(tl.int64) + tl.arange(0, NB)
@@ -166,8 +170,8 @@ def _layout_group_kernel(
     row = blk // kblocks
     kb = blk - row * kblocks
     e = row // m_rows
-    km = tl.load(inverse + (row - e * m_rows), mask=blk_mask, other=0).to(tl.int64)
-    krow = e * m_rows + km
+    km = tl.load(inverse + tl.load(row_offset_of + t) + (row - e * m_rows), mask=blk_mask, other=0).to(tl.int64)
+    krow = e * tl.load(region_rows_of + t) + km
     tiled_at = (
         e * tl.load(tile_bytes_of + t)
         + (km // 128) * tl.load(col_groups_of + t) * 512
@@ -229,23 +233,30 @@ def quantize_into(
 
 
 class _LayoutTables:
-    """Per-tensor tables of ``_layout_group_kernel``: rows per expert, block columns, the inverse
-    row permutation (identity where the layout keeps the rows), and the scale tiling."""
+    """Per-tensor tables of ``_layout_group_kernel``: rows per expert, the region's rows and the
+    tensor's first row in it, block columns, the region's inverse row permutation (identity where
+    the layout keeps the rows), and the scale tiling."""
 
     def __init__(self, table: LaunchTable, sources: list[torch.Tensor], layouts: Sequence[Sequence[KernelLayout | None]]):
-        rows, kblocks, tiled, tile_bytes, col_groups = [], [], [], [], []
+        rows, region_rows, row_offset, kblocks, tiled, tile_bytes, col_groups = [], [], [], [], [], [], []
         self.inverses: list[torch.Tensor] = []  # kept alive: the kernel reads them by address
         for s, (values, scales) in zip(sources, layouts):
             m, kb = s.shape[-2], s.shape[-1] // 32
-            order = next((lay.rows for lay in (values, scales) if lay is not None and lay.rows), None)
-            inverse = torch.arange(m) if order is None else inverse_row_permutation(order, m)
+            lay = scales if scales is not None else values  # check_layouts: one row order and region for both
+            assert lay is not None
+            region = lay.region(m)
+            inverse = torch.arange(region) if lay.rows is None else inverse_row_permutation(lay.rows, region)
             self.inverses.append(inverse.to(device=table.device, dtype=torch.int32))
             rows.append(m)
+            region_rows.append(region)
+            row_offset.append(lay.row_offset)
             kblocks.append(kb)
             tiled.append(int(scales is not None and scales.tiles is not None))
-            tile_bytes.append(interleaved_size(m, kb))
+            tile_bytes.append(interleaved_size(region, kb))
             col_groups.append(-(-kb // 4))
         self.rows_of = table.ints(rows, torch.int64)
+        self.region_rows_of = table.ints(region_rows, torch.int64)
+        self.row_offset_of = table.ints(row_offset, torch.int64)
         self.kblocks_of = table.ints(kblocks, torch.int64)
         self.inverse_addr = table.ints([i.data_ptr() for i in self.inverses], torch.int64)
         self.tiled_of = table.ints(tiled, torch.int32)
@@ -260,7 +271,8 @@ class QuantizeGroup:
     tabled at construction; source addresses are re-sent only when they change. With
     ``layouts`` (per tensor: the values' and the scales' ``KernelLayout`` or None) every block
     is written in its kernel layout (``_layout_group_kernel``); scale parts whose tiles are
-    padded are zeroed first (one ``_foreach_zero_``), since the kernel writes data bytes only.
+    padded are zeroed first (one ``_foreach_zero_``), since the kernel writes data bytes only
+    (never a shared region: ``check_layouts`` refuses padding there).""
     """
 
     def __init__(
@@ -315,6 +327,8 @@ class QuantizeGroup:
         _layout_group_kernel[(table.programs,)](
             *common,
             lay.rows_of,
+            lay.region_rows_of,
+            lay.row_offset_of,
             lay.kblocks_of,
             lay.inverse_addr,
             lay.tiled_of,

@@ -19,6 +19,13 @@ naming the tensor and the rule). Two independent parts, each optional:
   ``swizzle_mxfp8_scale``): offset(r, c) = (r//128)*(Cp/4)*512 + (c//4)*512 + (r%32)*16 +
   ((r%128)//32)*4 + c%4. Its padding bytes are part of the stored bytes and are written zero.
 
+A *shared region* (``region_rows``, ``row_offset``): the part's m rows per expert are rows
+[row_offset, row_offset + m) of a region of ``region_rows`` rows per expert, and the order and
+tiling apply to the region. Per-expert gate and up tensors are the two halves of one expert's
+w13 rows, which the gated order interleaves, so each is written into the same region at its
+own rows; the plan keeps such parts on one byte range (``mxrefit/plan/regions.py``). Without a
+region the part is its own region (offset 0, its own rows), as before regions existed.
+
 ``write_reference`` is the plain-indexing definition (the torch path and the tests' oracle).
 """
 
@@ -43,6 +50,8 @@ class KernelLayout:
 
     rows: str | None = None
     tiles: str | None = None
+    row_offset: int = 0
+    region_rows: int | None = None  # rows per expert of the shared region; None: the part is its own region
 
     def __post_init__(self) -> None:
         if self.rows is None and self.tiles is None:
@@ -51,27 +60,55 @@ class KernelLayout:
             raise ValueError(f"unknown kernel row order {self.rows!r}; known: {ROW_ORDERS}")
         if self.tiles is not None and self.tiles not in TILINGS:
             raise ValueError(f"unknown kernel tiling {self.tiles!r}; known: {TILINGS}")
+        if self.region_rows is None and self.row_offset:
+            raise ValueError(f"row offset {self.row_offset} without a region: a row offset places a part in a shared region")
+        if self.region_rows is not None and not (self.region_rows > 0 and 0 <= self.row_offset < self.region_rows):
+            raise ValueError(f"row offset {self.row_offset} is not a row of a region of {self.region_rows} rows")
 
     def __str__(self) -> str:
-        return "+".join(f"{k}={v}" for k, v in (("rows", self.rows), ("tiles", self.tiles)) if v is not None)
+        text = "+".join(f"{k}={v}" for k, v in (("rows", self.rows), ("tiles", self.tiles)) if v is not None)
+        return text if self.region_rows is None else f"{text}+region=rows {self.row_offset}.. of {self.region_rows}"
 
-    def to_msg(self) -> list[str]:
-        return [self.rows or "", self.tiles or ""]
+    def to_msg(self) -> list:
+        """``[rows, tiles]``, and ``row_offset, region_rows`` only for a shared region (so tables
+        without regions keep the wire form and the plan digest they had)."""
+        head: list = [self.rows or "", self.tiles or ""]
+        return head if self.region_rows is None else [*head, self.row_offset, self.region_rows]
 
     @classmethod
     def from_msg(cls, msg: list) -> KernelLayout:
-        rows, tiles = msg
+        rows, tiles, *region = msg
+        if region:
+            return cls(str(rows) or None, str(tiles) or None, int(region[0]), int(region[1]))
         return cls(str(rows) or None, str(tiles) or None)
 
+    @property
+    def shared(self) -> bool:
+        """Whether the part is a row range of a region other parts write too."""
+        return self.region_rows is not None
+
+    def region(self, m: int) -> int:
+        """Rows per expert of the region a part of ``m`` rows per expert lands in."""
+        return m if self.region_rows is None else self.region_rows
+
     def stored_bytes(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
-        """Bytes the part occupies in the engine's parameter (tile padding included)."""
-        if self.tiles is None:
-            return math.prod(shape) * dtype.itemsize
+        """Bytes of the part's region in the engine's parameter (tile padding included)."""
         *lead, m, c = shape
-        return math.prod(lead) * interleaved_size(m, c * dtype.itemsize)
+        rows = self.region(m)
+        if self.tiles is None:
+            return math.prod(lead) * rows * c * dtype.itemsize
+        return math.prod(lead) * interleaved_size(rows, c * dtype.itemsize)
 
     def padded(self, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
-        return self.stored_bytes(shape, dtype) != math.prod(shape) * dtype.itemsize
+        *lead, m, c = shape
+        return self.stored_bytes(shape, dtype) != math.prod(lead) * self.region(m) * c * dtype.itemsize
+
+    def kernel_rows(self, m: int) -> torch.Tensor:
+        """Where each of the part's ``m`` checkpoint rows lands among its region's kernel rows."""
+        rows = self.region(m)
+        if self.rows is None:
+            return torch.arange(self.row_offset, self.row_offset + m)
+        return inverse_row_permutation(self.rows, rows)[self.row_offset : self.row_offset + m]
 
 
 def swap_rows(m: int) -> torch.Tensor:
@@ -131,44 +168,51 @@ def layout_problem(layout: KernelLayout, role: str, shape: tuple[int, ...]) -> s
     """Why a part of ``shape`` cannot be written in ``layout`` (the rule), else None."""
     if len(shape) < 2:
         return f"a kernel layout needs a part of at least 2 dims, the {role} are {tuple(shape)}"
-    if layout.rows is not None and shape[-2] % SHUFFLE_BLOCK:
+    m = shape[-2]
+    if layout.shared and layout.row_offset + m > layout.region(m):
+        return (
+            f"the {role} have {m} rows per expert from row {layout.row_offset}, past the end of their "
+            f"region of {layout.region(m)} rows"
+        )
+    if layout.rows is not None and layout.region(m) % SHUFFLE_BLOCK:
         return (
             f"row order {layout.rows!r} permutes each expert's rows in blocks of {SHUFFLE_BLOCK}; "
-            f"the {role} have {shape[-2]} rows per expert"
+            f"the {role} have {layout.region(m)} rows per expert{' in their region' if layout.shared else ''}"
         )
     return None
 
 
+@functools.lru_cache(maxsize=64)
+def _tile_index(layout: KernelLayout, m: int, cb: int) -> torch.Tensor:
+    """Flat [m * cb]: the offset, within one expert's tiled region, of each byte of the part's rows."""
+    rows = layout.region(m)
+    return interleave_index(rows, cb).view(rows, cb)[layout.kernel_rows(m)].reshape(-1)
+
+
 def write_reference(layout: KernelLayout, part: torch.Tensor, out: torch.Tensor) -> None:
-    """Write ``part`` (checkpoint layout, [..., M, C]) into ``out`` (flat uint8, ``stored_bytes``) in
-    ``layout``, by plain indexing: one row gather, then the tile view of the zero-padded matrix."""
+    """Write ``part`` (checkpoint layout, [..., m, C]) into ``out`` (flat uint8, ``stored_bytes``: its
+    whole region) in ``layout``, by plain indexing: its rows to their kernel rows, or its bytes to
+    their tile offsets. A part that is its own region zeroes the tile padding first; a part of a
+    shared region writes only its own rows' bytes (the plan refuses shared regions with padding)."""
     *lead, m, c = part.shape
     rows = part.contiguous().view(torch.uint8).reshape(math.prod(lead), m, -1)
-    if layout.rows is not None:
-        rows = rows[:, row_permutation(layout.rows, m).to(rows.device)]
-    if layout.tiles is None:
-        out.copy_(rows.reshape(-1))
-        return
     e, cb = rows.shape[0], rows.shape[2]
-    rp, cp = -(-m // TILE_ROWS) * TILE_ROWS, -(-cb // TILE_COLS) * TILE_COLS
-    padded = torch.zeros(e, rp, cp, dtype=torch.uint8, device=rows.device)
-    padded[:, :m, :cb] = rows
-    tiles = padded.view(e, rp // TILE_ROWS, 4, 32, cp // TILE_COLS, TILE_COLS).permute(0, 1, 4, 3, 2, 5)
-    out.copy_(tiles.reshape(-1))
+    if layout.tiles is None:
+        out.view(e, layout.region(m), cb).index_copy_(1, layout.kernel_rows(m).to(rows.device), rows)
+        return
+    if not layout.shared:
+        out.zero_()
+    out.view(e, -1).index_copy_(1, _tile_index(layout, m, cb).to(rows.device), rows.reshape(e, -1))
 
 
 def read_reference(layout: KernelLayout, stored: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """The inverse of ``write_reference``: the checkpoint-layout part of ``shape``/``dtype`` whose
-    kernel-layout bytes are ``stored`` (flat uint8). Engines use it to hand their own processing
-    the checkpoint bytes a trainer wrote in the kernel layout (a check, never the refit path)."""
+    kernel-layout bytes are in ``stored`` (flat uint8, its region). Engines use it to hand their own
+    processing the checkpoint bytes a trainer wrote in the kernel layout (a check, never the refit path)."""
     *lead, m, c = shape
     e, cb = math.prod(lead), c * dtype.itemsize
     if layout.tiles is None:
-        rows = stored.view(e, m, cb)
+        rows = stored.view(e, layout.region(m), cb)[:, layout.kernel_rows(m).to(stored.device)]
     else:
-        rp, cp = -(-m // TILE_ROWS) * TILE_ROWS, -(-cb // TILE_COLS) * TILE_COLS
-        tiles = stored.view(e, rp // TILE_ROWS, cp // TILE_COLS, 32, 4, TILE_COLS).permute(0, 1, 4, 3, 2, 5)
-        rows = tiles.reshape(e, rp, cp)[:, :m, :cb]
-    if layout.rows is not None:
-        rows = rows[:, inverse_row_permutation(layout.rows, m).to(rows.device)]
+        rows = stored.view(e, -1)[:, _tile_index(layout, m, cb).to(stored.device)]
     return rows.contiguous().view(dtype).view(shape)

@@ -5,6 +5,8 @@ For every trainer tensor the plan records its format, its bucket, and for each e
 lands in. Within a bucket, parts are laid out in destination order, so parts that are
 neighbours in an engine parameter (expert 3's up rows after its gate rows, expert 4 after
 expert 3) become one contiguous *run*: the engine applies a bucket as a handful of copies.
+Parts of one shared region (``plan/regions.py``: per-expert gate and up rows interleaved in a
+kernel layout) share one bucket and one byte range of it.
 
 Both sides build the plan from the same inputs (the trainer's source list, the engine's
 tables, the bucket size) with the same deterministic function and compare digests, so a plan
@@ -25,6 +27,7 @@ from mxrefit.errors import MxrefitError
 from mxrefit.formats import get_format
 from mxrefit.formats.kernel_layout import KernelLayout
 from mxrefit.plan.dtypes import dtype_from_name, dtype_name
+from mxrefit.plan.regions import region_key, region_problems, shared_regions, spans
 from mxrefit.plan.types import Destination, ParamSpec, Target
 
 DEFAULT_BUCKET_BYTES = 512 << 20
@@ -164,18 +167,26 @@ def _expert_layout_hint(unexpected: set[str], missing: set[str]) -> str | None:
 
 
 def _layout(bucket: Bucket, sources_parts: dict[int, list[Target]], param_rank: dict[str, int]) -> None:
-    """Place the bucket's parts in destination order; merge neighbours into runs."""
+    """Place the bucket's parts in destination order; merge neighbours into runs. The parts of a
+    shared region get the bytes its first part got."""
     entries = [(param_rank[t.param], t.offset, s, r, t) for s in bucket.sources for r, t in enumerate(sources_parts[s])]
     entries.sort(key=lambda e: (e[0], e[1]))
     offset = 0
     prev: Run | None = None
+    placed: dict[tuple[str, int], int] = {}
     for _, _, s, r, t in entries:
+        key = region_key(t)
+        if key is not None and key in placed:
+            bucket.parts.append(Part(s, r, placed[key], t))
+            continue
         if prev is not None and prev.param == t.param and prev.param_offset + prev.nbytes == t.offset:
             bucket.runs[-1] = Run(prev.offset, prev.param, prev.param_offset, prev.nbytes + t.nbytes)
         else:
             offset = align(offset)
             bucket.runs.append(Run(offset, t.param, t.offset, t.nbytes))
         bucket.parts.append(Part(s, r, offset, t))
+        if key is not None:
+            placed[key] = offset
         offset += t.nbytes
         prev = bucket.runs[-1]
     bucket.nbytes = offset
@@ -192,23 +203,42 @@ def build_plan(
     """Validate and lay out a refit; raises PlanMismatch listing every problem."""
     _check(sources, params, destinations)
     targets = {i: list(destinations[s.name].targets) for i, s in enumerate(sources)}
-    footprint = {i: sum(align(t.nbytes) for t in ts) for i, ts in targets.items()}
-    bucket_bytes = max(align(bucket_bytes), max(footprint.values(), default=ALIGN))
+    regions = shared_regions(targets)
+    problems = region_problems([s.name for s in sources], targets, regions)
+    if problems:
+        raise PlanMismatch(problems)
+    groups = spans(len(sources), regions)
+    footprint = [_footprint(span, targets) for span in groups]
+    bucket_bytes = max(align(bucket_bytes), max(footprint, default=ALIGN))
     param_rank = {name: i for i, name in enumerate(params)}
     buckets: list[Bucket] = []
     used = bucket_bytes
-    for i in range(len(sources)):
-        if used + footprint[i] > bucket_bytes:
+    for span, size in zip(groups, footprint):
+        if used + size > bucket_bytes:
             buckets.append(Bucket(index=len(buckets), slot=len(buckets) % slots))
             used = 0
-        buckets[-1].sources.append(i)
-        used += footprint[i]
+        buckets[-1].sources.extend(span)
+        used += size
     for b in buckets:
         _layout(b, targets, param_rank)
     formats = [destinations[s.name].format for s in sources]
     layouts = [[i, r, t.layout.to_msg()] for i, ts in targets.items() for r, t in enumerate(ts) if t.layout is not None]
     digest = _digest(sources, formats, buckets, bucket_bytes, slots, layouts)
     return RefitPlan(sources, formats, buckets, bucket_bytes, slots, digest)
+
+
+def _footprint(span: range, targets: dict[int, list[Target]]) -> int:
+    """Bucket bytes a span of sources may take: a shared region counts once."""
+    seen: set[tuple[str, int]] = set()
+    total = 0
+    for i in span:
+        for t in targets[i]:
+            key = region_key(t)
+            if key is None or key not in seen:
+                total += align(t.nbytes)
+            if key is not None:
+                seen.add(key)
+    return total
 
 
 def _digest(

@@ -31,7 +31,8 @@ from mxrefit.formats.kernel_layout import KernelLayout
 @dataclass(frozen=True)
 class Target:
     """One encoded part of a trainer tensor: ``shape``/``dtype`` bytes at ``offset`` in ``param``,
-    in the checkpoint layout, or in ``layout`` (then ``nbytes`` counts its tile padding too)."""
+    in the checkpoint layout, or in ``layout`` (then ``nbytes`` counts its tile padding too, and
+    for a shared region is the whole region, whose other rows other targets write)."""
 
     param: str
     offset: int

@@ -2,13 +2,15 @@
 
 Real processes and real shared memory stand in for CUDA IPC (the same code path: export,
 open once, encode into views); the engine holds vLLM's MXFP8 layout of a tiny Qwen3-MoE in the
-TRT-LLM kernel layout: written in place by the trainer where its tables advertise it, and
-post-processed layer by layer from a staging pool elsewhere.
+TRT-LLM kernel layout: written in place by the trainer where its tables advertise it (every
+TRT-LLM param, per-expert or grouped), and post-processed layer by layer from a staging pool
+on the two-pass path.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import time
 from dataclasses import replace
 
 import msgpack
@@ -20,6 +22,7 @@ from mxrefit.integrations.vllm.layout import vllm_destinations, vllm_params
 from mxrefit.integrations.vllm.trtllm import reference_kernel_bytes
 from mxrefit.plan.build import SourceSpec
 from mxrefit.plan.shapes import BUILTIN, hf_tensor_specs
+from mxrefit.source.broadcast_sender import BroadcastSender
 from mxrefit.source.sender import RefitError, Sender
 from mxrefit.transport.direct import allocate, export_tensors, exportable, open_exports
 from tests.helpers.checks import sha
@@ -61,8 +64,11 @@ def _weights(seed: int, device: str = "cpu", experts: str = "per_expert") -> dic
     return make_weights(specs, torch.device(device), seed=seed)
 
 
-def mismatched_params(sender: Sender, weights: dict[str, torch.Tensor], post: bool, experts: str = "per_expert") -> list[str]:
-    """Every engine param whose served bytes differ from what the trainer's tensors must give."""
+def mismatched_params(
+    sender: Sender, weights: dict[str, torch.Tensor], post: bool, experts: str = "per_expert", rank: int | None = None
+) -> list[str]:
+    """Every engine param whose served bytes differ from what the trainer's tensors must give (on
+    engine ``rank`` alone, for a BroadcastSender)."""
     params = vllm_params(SHAPE, mxfp8=True)
     dests = vllm_destinations(SHAPE, mxfp8=True, experts=experts)
     kernel = _post_params(SHAPE, "trtllm" if post else "none")
@@ -72,7 +78,12 @@ def mismatched_params(sender: Sender, weights: dict[str, torch.Tensor], post: bo
         expected = reference_kernel_bytes(name, ckpt.view(spec.dtype).view(spec.shape)) if name in kernel else ckpt
         ranges.append([name, 0, expected.numel()])
         want.append(sha(expected))
-    got = sender.client.request({"op": "checksum", "ranges": ranges}, 30, step="checksums")["sha256"]
+    msg = {"op": "checksum", "ranges": ranges}
+    if rank is None:
+        got = sender.client.request(msg, 30, step="checksums")["sha256"]
+    else:
+        sender.client.send_to(rank, msg)
+        got = sender.client.recv_from(rank, time.monotonic() + 30, "checksums")["sha256"]
     return [r[0] for r, g, w in zip(ranges, got, want) if g != w]
 
 
@@ -96,9 +107,12 @@ def test_cuda_direct_refits_land_exactly(post):
         engine.stop(sender)
 
 
-@pytest.mark.parametrize("post", [True, False], ids=["trtllm", "plain"])
-def test_direct_refits_land_exactly_and_staging_stays_small(post):
-    engine = LayoutEngineProc(post=post)
+@pytest.mark.parametrize("post,direct_layout", [(True, True), (True, False), (False, False)], ids=["trtllm", "staged", "plain"])
+def test_direct_refits_land_exactly_and_staging_stays_small(post, direct_layout):
+    """Per-expert names (the bench's default): with the kernel layouts advertised the trainer writes
+    every TRT-LLM param in place, gate and up rows into their shared w13 regions, so nothing is
+    staged; the two-pass path stages only the units in flight."""
+    engine = LayoutEngineProc(post=post, direct_layout=direct_layout)
     sender = Sender(engine.address, engine.token, bucket_bytes=96 << 10)
     try:
         for step, seed in enumerate((1, 2, 3)):
@@ -109,29 +123,55 @@ def test_direct_refits_land_exactly_and_staging_stays_small(post):
             assert mismatched_params(sender, weights, post) == []
     finally:
         final = engine.stop(sender)
-    if post:
-        # only the units in flight hold staging: less than a checkpoint-format copy of them all
-        staged_total = sum(p.nbytes for n, p in vllm_params(SHAPE, mxfp8=True).items() if n in _post_params(SHAPE, "trtllm"))
+    staged_total = sum(p.nbytes for n, p in vllm_params(SHAPE, mxfp8=True).items() if n in _post_params(SHAPE, "trtllm"))
+    if post and direct_layout:
+        assert final["staging_bytes"] == 0
+    elif post:  # only the units in flight hold staging: less than a checkpoint-format copy of them all
         assert 0 < final["staging_bytes"] < staged_total
 
 
+@pytest.mark.parametrize("experts", ["grouped", "per_expert"])
 @pytest.mark.parametrize("transport", ["direct", "shm"])
-def test_kernel_layouts_written_by_the_trainer_need_no_engine_pass(transport):
-    """Grouped expert slabs: every TRT-LLM param is advertised in its kernel layout, so the engine
-    stages nothing and processes nothing, and its bytes equal the two-pass reference, whether
-    the trainer writes the engine's memory or a buffer the engine copies from."""
-    engine = LayoutEngineProc(experts="grouped")
+def test_kernel_layouts_written_by_the_trainer_need_no_engine_pass(transport, experts):
+    """Grouped expert slabs and per-expert names alike: every TRT-LLM param is advertised in its
+    kernel layout (per-expert gate/up as rows of a shared w13 region), so the engine stages
+    nothing and processes nothing, and its bytes equal the two-pass reference, whether the
+    trainer writes the engine's memory or a buffer the engine copies from."""
+    engine = LayoutEngineProc(experts=experts)
     sender = Sender(engine.address, engine.token, bucket_bytes=96 << 10, transport=transport)
     try:
         for seed in (21, 22):
-            weights = _weights(seed, experts="grouped")
+            weights = _weights(seed, experts=experts)
             assert sender.refit(weights).transport == transport
-            assert mismatched_params(sender, weights, True, experts="grouped") == []
+            assert mismatched_params(sender, weights, True, experts=experts) == []
         laid = {t.param for d in sender._tables[1].values() for t in d.targets if t.layout is not None}
         assert laid == _post_params(SHAPE, "trtllm")
+        shared = [t for d in sender._tables[1].values() for t in d.targets if t.layout is not None and t.layout.shared]
+        assert bool(shared) == (experts == "per_expert")
+        assert len(sender.plan_.buckets) >= 4  # several buckets: over shm a region split by one would land stale rows
     finally:
         final = engine.stop(sender)
     assert final["staging_bytes"] == 0
+
+
+def test_kernel_layouts_broadcast_to_every_rank_land_exactly():
+    """Two engine ranks over a broadcast group: the per-expert regions and every other kernel layout
+    reach both ranks' memory equal to the two-pass reference, with nothing staged."""
+    engines = [LayoutEngineProc(), LayoutEngineProc()]
+    sender = BroadcastSender(
+        [(e.address, e.token) for e in engines], bucket_bytes=96 << 10, timeout_s=30, rendezvous_timeout_s=30
+    )
+    try:
+        for seed in (41, 42):
+            weights = _weights(seed)
+            assert sender.refit(weights).transport == "broadcast"
+            assert [mismatched_params(sender, weights, True, rank=i) for i in range(2)] == [[], []]
+        assert any(t.layout is not None and t.layout.shared for d in sender._tables[1].values() for t in d.targets)
+        assert mismatched_params(sender, _weights(43), True, rank=1)  # negative control: other weights differ
+    finally:
+        sender.close(shutdown_engine=True)
+        finals = [e.stop() for e in engines]
+    assert [f["staging_bytes"] for f in finals] == [0, 0]
 
 
 def test_the_two_pass_fallback_still_lands_exactly():

@@ -21,10 +21,11 @@ vLLM's own loader (``model.load_weights`` inside its layerwise reload) from chec
 staging, with a warning naming the parameters on that slow path.
 
 On FlashInfer's TRT-LLM MXFP8 MoE backend (Blackwell), MoE layers skip vLLM's three-gather
-shuffle: where the trainer's sources cover whole experts (grouped expert slabs; per-expert
-down_proj) the tables advertise the kernel layout and the trainer's quantize kernel writes it,
-so the layer's processing is a copy from staging into the live params; elsewhere (per-expert
-gate/up halves) the folded one-pass layout of ``mxrefit/integrations/vllm/trtllm.py`` runs.
+shuffle: the tables advertise the kernel layout (grouped expert slabs and per-expert
+down_proj on their own bytes, per-expert gate/up as the two row ranges of their expert's
+shared w13 region) and the trainer's quantize kernel writes it, so the layer's processing is
+a copy from staging into the live params; where the sources allow neither, the folded
+one-pass layout of ``mxrefit/integrations/vllm/trtllm.py`` runs.
 With ``MXREFIT_VERIFY=1`` the first refit also runs vLLM's own processing on the checkpoint
 bytes and compares.
 
@@ -653,9 +654,11 @@ class VllmEngine(Engine):
 
     def _advertise_trtllm_layouts(self) -> dict[str, KernelLayout]:
         """Put FlashInfer's TRT-LLM kernel layout on the targets of every TRT-LLM MoE param whose
-        sources cover whole experts (``trtllm.moe_direct_targets``): the trainer's quantize kernel
+        sources cover each expert's rows exactly once (``trtllm.moe_direct_targets``: whole
+        experts, or per-expert gate/up rows of a shared w13 region): the trainer's quantize kernel
         then writes the kernel layout, and processing that layer is a plain copy into the live
-        params. Returns the layout of each such param (values: rows; scales: rows and tiles)."""
+        params. Returns the layout of each such param as a whole (values: rows; scales: rows and
+        tiles), which ``read_reference`` inverts for MXREFIT_VERIFY."""
         laid: dict[str, KernelLayout] = {}
         for name, spec in self._params.items():
             mname, _, attr = name.rpartition(".")

@@ -121,20 +121,45 @@ def _with_targets(dests: dict[str, Destination], new: dict[tuple[str, int], Targ
 
 def moe_direct_targets(dests: dict[str, Destination], name: str, rows: int, k: int, gated: bool) -> dict[str, Destination] | None:
     """``dests`` with every target of MoE values param ``name`` ([E, rows, k]) and of its scales in
-    the TRT-LLM kernel layout (written by the trainer's quantize kernel), or None where a source
-    covers only part of an expert: per-expert gate/up names split an expert's rows, and the
-    kernel order interleaves the halves, so no contiguous byte range holds one of them (that
-    param keeps the engine's pass). Checked by the caller: rows % 128 and K % 128
-    (``check_moe_alignment``), so the scale tiles have no padding and keep each expert's bytes."""
+    the TRT-LLM kernel layout (written by the trainer's quantize kernel), or None where the
+    sources do not allow it (a target that is not a row range of one expert, or an expert whose
+    rows its sources do not cover exactly once). A source covering whole experts (grouped slabs,
+    per-expert ``down_proj``) gets the layout on its own bytes; one covering a row range of an
+    expert (per-expert ``gate_proj``/``up_proj``: the gated order interleaves the two, so neither
+    owns a contiguous byte range) gets a shared region: the expert's whole range, with its first
+    row there (``KernelLayout.row_offset``/``region_rows``), and the plan keeps the region's
+    writers together (``mxrefit/plan/regions.py``). Checked by the caller: rows % 128 and
+    K % 128 (``check_moe_alignment``), so the scale tiles have no padding and keep each expert's
+    bytes and rows."""
     scales = {d: (j, t) for d, j, t in _writers(dests, scale_param(name))}
     order = moe_row_order(gated)
+    kb = k // SCALE_BLOCK
     new = {}
+    covered: dict[int, list[tuple[int, int]]] = {}  # region offset -> (first row, rows) of its writers
     for dname, i, t in _writers(dests, name):
-        if len(t.shape) not in (2, 3) or t.shape[-2] != rows or t.offset % (rows * k) or dname not in scales:
+        if dname not in scales or len(t.shape) not in (2, 3) or t.offset % k:
             return None
         j, st = scales[dname]
-        new[(dname, i)] = replace(t, layout=KernelLayout(rows=order))
-        new[(dname, j)] = replace(st, layout=KernelLayout(rows=order, tiles="128x4"))
+        expert, first = divmod(t.offset // k, rows)
+        m = t.shape[-2]
+        if m == rows and first == 0:
+            new[(dname, i)] = replace(t, layout=KernelLayout(rows=order))
+            new[(dname, j)] = replace(st, layout=KernelLayout(rows=order, tiles="128x4"))
+            continue
+        if len(t.shape) != 2 or first + m > rows or st.offset != (expert * rows + first) * kb or st.shape[0] != m:
+            return None
+        region = expert * rows
+        covered.setdefault(region, []).append((first, m))
+        new[(dname, i)] = replace(t, offset=region * k, layout=KernelLayout(order, None, first, rows))
+        new[(dname, j)] = replace(st, offset=region * kb, layout=KernelLayout(order, "128x4", first, rows))
+    for writers in covered.values():
+        pos = 0
+        for first, m in sorted(writers):
+            if first != pos:
+                return None
+            pos += m
+        if pos != rows:
+            return None
     return _with_targets(dests, new) if new else None
 
 
