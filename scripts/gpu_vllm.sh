@@ -64,7 +64,7 @@ wheels() {  # the wheels in .whl/ (TRL and its datasets, checkpoint-engine), int
 pids=()
 oracle() {  # oracle TAG ARGS...: one vllm_oracle.py run in the background
   local tag=$1; shift
-  timeout ${ORACLE_TIMEOUT:-480} python3 scripts/vllm_oracle.py run --json $RES/oracle_$tag.json --work /tmp/oracle "$@" \
+  timeout ${ORACLE_TIMEOUT:-480} python3 scripts/vllm_oracle.py run --json $RES/oracle_$tag.json --work /tmp/oracle/$tag "$@" \
     > $RES/oracle_$tag.log 2>&1 &
   pids+=($!)
 }
@@ -114,8 +114,10 @@ if has moehang; then
 fi
 if has headline; then
   # vLLM's own IPC path: its update_info carries torch's rebuild_cuda_tensor arguments (a torch dtype among them),
-  # which vLLM's msgspec RPC refuses unless the pickle fallback is allowed (mxrefit's own channel never pickles)
-  MXREFIT_PROFILE=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1 PYTHONPATH=$PYTHONPATH:$PWD/scripts/vllm_hooks/noray timeout ${HEADLINE_TIMEOUT:-500} python3 scripts/vllm_headline.py \
+  # which vLLM's msgspec RPC refuses unless the pickle fallback is allowed (mxrefit's own channel never pickles).
+  # HEADLINE_PROFILE=1: vLLM's processing timed per module kind; it syncs the device around every module, so timed
+  # runs leave it off (the H200's BF16 refit timed with it on 2026-12-05: 242 ms; without it on 2026-12-04: 144 ms)
+  MXREFIT_PROFILE=${HEADLINE_PROFILE:-0} VLLM_ALLOW_INSECURE_SERIALIZATION=1 PYTHONPATH=$PYTHONPATH:$PWD/scripts/vllm_hooks/noray timeout ${HEADLINE_TIMEOUT:-500} python3 scripts/vllm_headline.py \
     --fmts ${HEADLINE_FMTS:-mxfp8,bf16} ${HEADLINE_ARGS:-} --json $RES/headline.json > $RES/headline.log 2>&1 &
   pids+=($!)
 fi
