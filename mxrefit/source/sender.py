@@ -38,7 +38,7 @@ import torch
 from mxrefit.devices import resolve
 from mxrefit.errors import MxrefitError
 from mxrefit.formats import get_format, mxfp8
-from mxrefit.formats._common import NO_BAD, bad_flag, first_bad
+from mxrefit.formats._common import NO_BAD
 from mxrefit.formats.finite_check import FiniteCheck
 from mxrefit.formats.kernel_layout import KernelLayout
 from mxrefit.plan.build import (
@@ -75,6 +75,44 @@ class RefitError(MxrefitError, RuntimeError):
         if engine_status:
             message += f" (engine holds version {engine_status.get('version')}, state {engine_status.get('state')})"
         super().__init__(message)
+
+
+class _BucketFlags:
+    """Per-bucket non-finite cells, read without stalling the device.
+
+    Bucket i's encoders ``atomic_min`` into cell i % 2; behind them the cell is copied to pinned
+    host memory and an event recorded, so the host learns whether bucket i was finite as soon as
+    its own kernels are done, while bucket i + 1's run on (on CPU the kernels have run already)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cells = torch.full((2,), NO_BAD, dtype=torch.int32, device=device)
+        self.cuda = device.type == "cuda"
+        self.host = torch.full((2,), NO_BAD, dtype=torch.int32, pin_memory=self.cuda)
+        self.events = [torch.cuda.Event() for _ in range(2)] if self.cuda else []
+
+    def cell(self, i: int) -> torch.Tensor:
+        """Bucket ``i``'s cell, cleared (an aborted refit leaves its flag behind)."""
+        c = self.cells[i % 2 : i % 2 + 1]
+        c.fill_(NO_BAD)
+        return c
+
+    def mark(self, i: int) -> None:
+        """After bucket ``i``'s kernels were queued: its cell's value travels to the host behind them."""
+        if self.cuda:
+            k = i % 2
+            self.host[k : k + 1].copy_(self.cells[k : k + 1], non_blocking=True)
+            self.events[k].record(torch.cuda.current_stream(self.device))
+
+    def first_bad(self, i: int) -> int | None:
+        """The first non-finite unit bucket ``i``'s kernels met, or None; waits for those kernels only."""
+        k = i % 2
+        if self.cuda:
+            self.events[k].synchronize()
+            first = int(self.host[k])
+        else:
+            first = int(self.cells[k])
+        return None if first == NO_BAD else first
 
 
 @dataclass
@@ -327,7 +365,7 @@ class Sender:
                 )
                 encs.append((idx, encoder))
             self._bucket_encoders.append(encs)
-        self._bad = bad_flag(self.device)
+        self._flags = _BucketFlags(self.device)
         self._sums = [ByteSum([path.run_view(b, r) for r in b.runs]) for b in plan.buckets] if self.verify else []
         self._finite = None
         self._bucket_checks = {}
@@ -415,6 +453,7 @@ class Sender:
             self._preempt(f"refit {self._unfinished} did not finish; refit {version} starts")
         self._unfinished = version
         acked = 0
+        encoders_of = self._bucket_encoders
         try:
             self.begins_sent += 1
             self._request(
@@ -428,32 +467,39 @@ class Sender:
                 f"starting refit {version}",
             )
             self._check_path(path, version)
-            self._bad.fill_(NO_BAD)  # an aborted refit leaves its flag behind
-            for b, encoders in zip(plan.buckets, self._bucket_encoders):
-                while acked < b.index - plan.slots + 1:
+            # direct writes from a mapping finish each bucket one behind: bucket i's ready message waits
+            # on its own kernels only, while bucket i + 1's are already queued, so the device does not idle
+            # between buckets for the host's turn-around (on the H200 on 2026-12-05, with a host sync per
+            # bucket, packing ran at ~55% of the copy rate against 84-97% for the kernels alone). The engine
+            # has no more buckets in flight than before (the wait below lags one). A stream finishes each bucket at once (it holds one bucket's tensors at a time);
+            # so do slots, where bucket i + 1's slot is free only once bucket i + 1 - slots was applied.
+            behind = stream is None and path.buffers is None
+            lag = 1 if behind else 0
+            pending: Bucket | None = None
+            for b in plan.buckets:
+                while acked < b.index - plan.slots + 1 - lag:
                     acked = self._await_applied(acked, version, report)
                 t = time.perf_counter()
                 path.acquire(b.slot)
                 if stream is not None:
                     for i, x in zip(b.sources, self._pull(stream, b, version, report)):
                         srcs[i] = x
-                for idx, encode in encoders:
-                    encode([srcs[i] for i in idx], self._bad)
-                bad = first_bad(self._bad)
+                cell = self._flags.cell(b.index)
+                for idx, encode in encoders_of[b.index]:
+                    encode([srcs[i] for i in idx], cell)
+                self._flags.mark(b.index)
                 report.pack_s += time.perf_counter() - t
-                if bad is not None:
-                    culprits = [plan.sources[i].name for i in b.sources if not _finite(srcs[i])]
-                    self._abort(version, f"non-finite input in bucket {b.index}")
-                    raise RefitError(
-                        f"refit {version}: non-finite values in {culprits} found while packing bucket {b.index}; "
-                        f"{b.index} earlier buckets had reached the engine",
-                        self.engine_status,
-                    )
+                if behind:
+                    if pending is not None:
+                        self._finish(pending, srcs, version, report)
+                    pending = b
+                    continue
+                self._finish(b, srcs, version, report)
                 if stream is not None:
                     for i in b.sources:
                         srcs[i] = None
-                path.publish(b.slot, b.nbytes)
-                self.client.send(self._ready(b, version))
+            if pending is not None:
+                self._finish(pending, srcs, version, report)
             while acked < len(plan.buckets):
                 acked = self._await_applied(acked, version, report)
             reply = self._request({"op": Op.COMMIT, "version": version}, f"committing refit {version}")
@@ -471,6 +517,23 @@ class Sender:
         report.buckets = len(plan.buckets)
         report.total_s = time.perf_counter() - t0
         return report
+
+    def _finish(self, b: Bucket, srcs: list[torch.Tensor | None], version: int, report: RefitReport) -> None:
+        """Once bucket ``b``'s kernels are done: abort if they met a non-finite value, else hand it to the engine."""
+        t = time.perf_counter()
+        bad = self._flags.first_bad(b.index)
+        report.pack_s += time.perf_counter() - t
+        if bad is not None:
+            plan = self._planned()
+            culprits = [plan.sources[i].name for i in b.sources if not _finite(srcs[i])]
+            self._abort(version, f"non-finite input in bucket {b.index}")
+            raise RefitError(
+                f"refit {version}: non-finite values in {culprits} found while packing bucket {b.index}; "
+                f"{b.index} earlier buckets had reached the engine",
+                self.engine_status,
+            )
+        self._path().publish(b.slot, b.nbytes)
+        self.client.send(self._ready(b, version))
 
     def _ready(self, bucket: Bucket, version: int) -> dict:
         """The bucket's "ready" message, with its integrity sums when verifying."""
