@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# `mxrefit bench` on the GPU, this tree against a baseline tree, in one device call (no vLLM needed).
+# Once, here: a baseline package and pyzmq (the device image lacks it) in ignored folders:
+#   echo /.old/ >> .git/info/exclude; echo /.whl2/ >> .git/info/exclude
+#   mkdir -p .old .whl2 && git archive REV mxrefit | tar -x -C .old
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl2 pyzmq
+# Then one device call, carry [".old", ".whl2"]:  bash scripts/gpu_bench_ab.sh [ROUNDS] -- BENCH ARGS...
+# Runs baseline, this tree, baseline, this tree ... (ROUNDS pairs, default 1): each run measures its own copy floor.
+set -uo pipefail
+rounds=1
+if [[ ${1:-} != -- && -n ${1:-} ]]; then rounds=$1; shift; fi
+[[ ${1:-} == -- ]] && shift
+python3 -m pip install -q --no-index --no-deps --target /tmp/zmq .whl2/*.whl || exit 3
+export PYTHONPATH=/tmp/zmq PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p $OUT
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee $OUT/gpu.txt
+root=$PWD
+for r in $(seq 1 $rounds); do
+  for tree in baseline this; do
+    dir=$root; [[ $tree == baseline ]] && dir=$root/.old
+    (cd $dir && python3 -m mxrefit bench --device cuda --no-progress --json $OUT/bench_${tree}_$r.json "$@") > $OUT/bench_${tree}_$r.log 2>&1
+    echo "== $tree, round $r (rc $?)"; grep -E "total, ms|quantize/pack|finite check|x copy floor|rate, GB/s|identical|Error" $OUT/bench_${tree}_$r.log
+  done
+done
