@@ -15,7 +15,8 @@ non-finite screen over every tensor (``mxrefit.formats.finite_check``; with ``ch
 the encoders screen in the same pass instead), then per bucket one grouped
 launch per format + a "ready" message; the engine answers "applied" once the bucket's bytes
 are in place (and processed, for engines that post-process), and bucket *i* is encoded only
-after bucket *i - slots* was applied.
+after bucket *i - slots* was applied (direct writes from a mapping: *i - slots - 1*, since their
+"ready" messages go out one bucket behind; see ``refit``).
 
 ``refit`` also takes a stream of ``(name, tensor)`` pairs in the plan's order (e.g. FSDP2
 ``full_tensor()`` per parameter): tensors are then pulled bucket by bucket and dropped after
