@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from mxrefit.plan.coverage import cover_problems
 from mxrefit.plan.types import Target
 
 RegionKey = tuple[str, int]
@@ -71,16 +72,15 @@ def region_problems(
             )
             continue
         total = first.layout.region_rows if first.layout and first.layout.region_rows else 0
-        pos, last = 0, ""
-        for start, end, name in sorted((*_rows(t), name) for name, t in parts):
-            if start < pos:
-                problems.append(f"{where}: rows [{start}, {min(end, pos)}) are written by both {last!r} and {name!r}")
-            elif start > pos:
-                problems.append(f"{where}: rows [{pos}, {start}) of {total} are written by no trainer tensor")
-            if end > pos:
-                pos, last = end, name
-        if pos < total:
-            problems.append(f"{where}: rows [{pos}, {total}) of {total} are written by no trainer tensor (after {last!r})")
+        for p in cover_problems(((*_rows(t), name) for name, t in parts), total):
+            if p.kind == "overlap":
+                problems.append(f"{where}: rows [{p.start}, {p.end}) are written by both {p.earlier!r} and {p.writer!r}")
+            elif p.kind == "gap":
+                problems.append(f"{where}: rows [{p.start}, {p.end}) of {total} are written by no trainer tensor")
+            elif p.kind == "tail":
+                problems.append(
+                    f"{where}: rows [{p.start}, {p.end}) of {total} are written by no trainer tensor (after {p.earlier!r})"
+                )
     return problems
 
 

@@ -137,3 +137,17 @@ def test_tied_embeddings_are_one_destination():
     engine = TorchEngine(model)
     assert "lm_head.weight" not in engine.destinations()
     assert engine.aliases == {"lm_head.weight": "model.embed_tokens.weight"}
+
+
+def test_cover_problems_names_each_kind_and_passes_an_exact_cover():
+    from mxrefit.plan.coverage import CoverProblem, cover_problems
+
+    assert list(cover_problems([(4, 10, "b"), (0, 4, "a")], 10)) == []  # exact, in any order
+    got = list(cover_problems([(0, 4, "a"), (3, 6, "b"), (8, 9, "c")], 12))
+    assert got == [
+        CoverProblem("overlap", 3, 4, "a", "b"),
+        CoverProblem("gap", 6, 8, "b", "c"),
+        CoverProblem("tail", 9, 12, "c"),
+    ]
+    assert list(cover_problems([(0, 14, "a")], 12)) == [CoverProblem("past", 12, 14, "a")]
+    assert list(cover_problems([], 3)) == [CoverProblem("tail", 0, 3, "")]

@@ -84,6 +84,7 @@ import torch
 
 from mxrefit.engine.shards import mxfp8_scale_shard
 from mxrefit.formats import fp8_block, mxfp8
+from mxrefit.plan.coverage import cover_problems
 from mxrefit.plan.eligibility import DEFAULT_RULES, QuantRules
 from mxrefit.plan.shapes import ModelShape, hf_tensor_specs
 from mxrefit.plan.types import Destination, ParamSpec, Shard, Target
@@ -445,18 +446,13 @@ def coverage_check(params: dict[str, ParamSpec], destinations: dict[str, Destina
                 problems.append(f"{dest.name}: target dtype {t.dtype} != {t.param} dtype {spec.dtype}")
             ranges[t.param].append((t.offset, t.offset + t.nbytes, dest.name))
     for name, spec in params.items():
-        pos, last = 0, None
-        for start, end, src in sorted(ranges[name]):
-            if start < pos:
-                problems.append(f"{name}: bytes [{start}, {min(end, pos)}) written by both {last} and {src}")
-            elif start > pos:
-                problems.append(f"{name}: bytes [{pos}, {start}) not covered")
-            if end > pos:
-                pos, last = end, src
-        if pos < spec.nbytes:
-            problems.append(f"{name}: bytes [{pos}, {spec.nbytes}) not covered")
-        elif pos > spec.nbytes:
-            problems.append(f"{name}: {last} writes bytes up to {pos}, past the end ({spec.nbytes})")
+        for p in cover_problems(ranges[name], spec.nbytes):
+            if p.kind == "overlap":
+                problems.append(f"{name}: bytes [{p.start}, {p.end}) written by both {p.earlier} and {p.writer}")
+            elif p.kind == "past":
+                problems.append(f"{name}: {p.earlier} writes bytes up to {p.end}, past the end ({spec.nbytes})")
+            else:
+                problems.append(f"{name}: bytes [{p.start}, {p.end}) not covered")
     if problems:
         more = f" (and {len(problems) - limit} more)" if len(problems) > limit else ""
         raise ValueError(f"coverage check failed: {'; '.join(problems[:limit])}{more}")
