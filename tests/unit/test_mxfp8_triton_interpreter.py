@@ -37,7 +37,7 @@ def test_kernel_tests_pass_under_the_interpreter():
         cwd=os.path.dirname(__file__),
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert "6 passed" in run.stdout, run.stdout[-2000:]
+    assert "7 passed" in run.stdout, run.stdout[-2000:]
 
 
 @inside
@@ -66,7 +66,8 @@ def test_kernel_reports_first_non_finite_block():
 
 
 @inside
-def test_grouped_kernel_many_tensors_one_launch():
+@pytest.mark.parametrize("iters", [1, 4])
+def test_grouped_kernel_many_tensors_one_launch(iters):
     from mxrefit.formats import _mxfp8_triton
 
     shapes = [(3, 64), (1, 32), (5, 7 * 32), (2, 4, 160), (300, 64)]
@@ -75,7 +76,8 @@ def test_grouped_kernel_many_tensors_one_launch():
     sources[4][7, 3] = float("nan")
     outs = [(torch.empty(s, dtype=torch.float8_e4m3fn), torch.empty(mxfp8.scale_shape(s), dtype=torch.uint8)) for s in shapes]
     bad = torch.full((1,), 2**31 - 1, dtype=torch.int32)
-    group = _mxfp8_triton.QuantizeGroup(sources, outs, blocks_per_program=4)
+    group = _mxfp8_triton.QuantizeGroup(sources, outs, blocks_per_program=4, iters=iters)
+    assert group.table.programs == sum(-(-s.numel() // 32 // (4 * iters)) for s in sources)
     group(sources, 0, bad)
     assert int(bad) == 2  # the first source holding a non-finite value
     for i in (0, 1, 3):
@@ -86,3 +88,6 @@ def test_grouped_kernel_many_tensors_one_launch():
     assert int(bad) == 2**31 - 1
     for i in range(len(shapes)):
         _assert_same(_bytes(*outs[i]), reference_quantize(fresh[i], 1), f"fresh member {i}")
+    fresh[4][7, 3] = float("nan")  # block 14 of source 4: the fourth run of its first program when iters is 4
+    group(fresh, 1, bad)
+    assert int(bad) == 4
