@@ -87,21 +87,37 @@ def gather_rows(src: torch.Tensor, dst: torch.Tensor, index: torch.Tensor) -> No
 
 @dataclass(frozen=True)
 class ByteGather:
-    """``kernel[e].view(uint8)[j] = staged[source][e].view(uint8)[index[j]]`` for every expert e."""
+    """``kernel[e].view(uint8)[j] = staged[source][e].view(uint8)[index[j]]`` for every expert e.
+
+    An identity gather (every output byte its own input byte: processing that leaves the bytes
+    as loaded, vLLM's unquantized linears on CUDA say) keeps no index and is a plain copy."""
 
     source: str
     experts: int  # 1 when the parameter has no expert dimension
     source_bytes: int  # bytes of one expert of ``source``: a staged tensor of another size is refused
     index: torch.Tensor  # int32 (int64 past 2 GiB per expert), on the device, one entry per output byte of ONE expert
+    identity: bool = False  # then ``index`` is empty and the output has ``source_bytes`` bytes per expert
+
+    @property
+    def out_bytes(self) -> int:
+        """Bytes of one expert of the kernel tensor."""
+        return self.source_bytes if self.identity else self.index.numel()
+
+    def rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """The gather on (E', source_bytes) uint8 ``src`` rows into (E', out_bytes) ``dst`` rows."""
+        if self.identity:
+            dst.copy_(src)
+        else:
+            gather_rows(src, dst, self.index)
 
     def __call__(self, staged: torch.Tensor, kernel: torch.Tensor) -> None:
         src, dst = _bytes(staged), _bytes(kernel)
-        if src.numel() != self.experts * self.source_bytes or dst.numel() != self.experts * self.index.numel():
+        if src.numel() != self.experts * self.source_bytes or dst.numel() != self.experts * self.out_bytes:
             raise ValueError(
                 f"the gather from {self.source} was learned for {self.experts} x {self.source_bytes} bytes "
-                f"into {self.experts} x {self.index.numel()}, got {src.numel()} into {dst.numel()}"
+                f"into {self.experts} x {self.out_bytes}, got {src.numel()} into {dst.numel()}"
             )
-        gather_rows(src.view(self.experts, -1), dst.view(self.experts, -1), self.index)
+        self.rows(src.view(self.experts, -1), dst.view(self.experts, -1))
 
 
 @dataclass
@@ -180,7 +196,7 @@ def _verify(layout: ProbedLayout, staged: Tensors, kernel: Tensors, what: str) -
         step = max(1, CHECK_BYTES // max(1, want.shape[1]))
         for e in range(0, g.experts, step):
             got = torch.empty_like(want[e : e + step])
-            gather_rows(src[e : e + step], got, g.index)
+            g.rows(src[e : e + step], got)
             if not torch.equal(got, want[e : e + step]):
                 raise _Refusal(
                     f"{attr}: the learned gather differs from the processing on {what} "
@@ -230,6 +246,9 @@ def _learn(
         if first != last:
             raise _Refusal(f"{attr}: its bytes come from several inputs ({names[first]} ... {names[last]}): a gather reads one")
         local = src - int(starts[first])
+        if local.numel() == sizes[first] and torch.equal(local, torch.arange(local.numel(), device=device)):
+            gathers[attr] = ByteGather(names[first], experts, sizes[first], local.new_empty(0, dtype=torch.int32), True)
+            continue
         dtype = torch.int32 if sizes[first] < 2**31 else torch.int64
         gathers[attr] = ByteGather(names[first], experts, sizes[first], local.to(dtype))
     del acc

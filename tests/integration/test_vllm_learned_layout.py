@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from tests.helpers import vllm_models as vm
 
@@ -51,11 +52,18 @@ def _learned_on(worker, on: bool) -> None:
 
 
 def _corrupt_a_learned_index(worker) -> str:
-    """Runs in the worker: reverses the first 64 entries of one learned gather's index."""
+    """Runs in the worker: one learned gather takes its first 64 bytes in reverse order (a learned
+    identity, which keeps no index, is given an explicit one first)."""
+    from dataclasses import replace
+
     for layout in worker._mxrefit.engine._layouts.entries.values():
         if not isinstance(layout, str):
             name, gather = next(iter(layout.gathers.items()))
-            gather.index[:64] = gather.index[:64].flip(0).clone()
+            index = gather.index.clone()
+            if gather.identity:
+                index = torch.arange(gather.out_bytes, dtype=torch.int32, device=index.device)
+            index[:64] = index[:64].flip(0).clone()
+            layout.gathers[name] = replace(gather, index=index, identity=False)
             return name
     raise AssertionError("no learned layout to corrupt")
 

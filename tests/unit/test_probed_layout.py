@@ -213,6 +213,27 @@ def test_vllm_marlin_mxfp8_steps_are_learned(experts):
     assert module.holds(fresh)
 
 
+@pytest.mark.parametrize("experts", [1, 3])
+def test_processing_that_keeps_the_bytes_is_learned_as_a_copy(experts):
+    """vLLM's unquantized linears on CUDA: the kernel tensors hold the loaded bytes. Learned as an
+    identity (no index kept, a plain copy); a transposed weight of the same shape is not one."""
+    lead = (experts,) if experts > 1 else ()
+    staged = random_like({"weight": torch.empty(*lead, 64, 48, dtype=torch.bfloat16)}, 3)
+    module, layout = learn(lambda t: {"weight": t["weight"].clone()}, staged, experts=experts)
+    assert isinstance(layout, ProbedLayout), layout
+    g = layout.gathers["weight"]
+    assert g.identity and g.index.numel() == 0 and layout.index_bytes == 0 and g.out_bytes == 64 * 48 * 2
+    fresh = random_like(staged, 4)
+    layout.apply(fresh, module.kernel())
+    assert module.holds(fresh)
+    square = random_like({"weight": torch.empty(*lead, 48, 48, dtype=torch.bfloat16)}, 5)
+    module, moved = learn(lambda t: {"weight": t["weight"].transpose(-1, -2).contiguous()}, square, experts=experts)
+    assert isinstance(moved, ProbedLayout) and not moved.gathers["weight"].identity  # a gather, not a copy
+    fresh = random_like(square, 6)
+    moved.apply(fresh, module.kernel())
+    assert module.holds(fresh)
+
+
 def test_apply_refuses_tensors_of_another_size():
     staged = marlin_staged(1)
     module, layout = learn(marlin_like, staged, experts=1)

@@ -496,6 +496,11 @@ def _quantized(module: torch.nn.Module) -> bool:
     return _needs_vllm_processing(module) and not type(module.quant_method).__name__.startswith("Unquantized")
 
 
+def _unquantized_linear(module: torch.nn.Module) -> bool:
+    """An unquantized linear or embedding (vLLM's processing of them on CUDA keeps the loaded bytes)."""
+    return type(getattr(module, "quant_method", None)).__name__ in ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
+
+
 def _marlin_mxfp8(module: torch.nn.Module) -> bool:
     """True for a ModelOpt MXFP8 linear on ``MarlinMxfp8LinearKernel`` or MoE on the Marlin
     backend (Hopper): processing that is a pure byte permutation (``engine/probed_layout.py``)."""
@@ -569,10 +574,15 @@ class VllmEngine(Engine):
         # (engine/probed_layout.py) instead of re-running it; opt-in until it has run against a fresh vLLM on
         # Hopper. "quantized": every quantized module is probed (the probe's checks guard each signature, but
         # state a kernel keeps outside tensors, a oneDNN handle say, is invisible to them): for tests and
-        # kernels known to keep none. Unquantized modules are never probed (the CPU build prepacks them).
+        # kernels known to keep none. On CUDA, unquantized linears and embeddings are probed too: vLLM's
+        # processing of them there leaves the bytes as loaded (a learned identity: a plain copy instead of
+        # vLLM's reload of the module, ~0.4 ms each on the H200); on CPU never (the CPU build prepacks them
+        # into oneDNN state no probe sees). Unquantized MoE experts are not probed: the probe of one layer
+        # holds a few copies of its bytes (2.4 GB for a 30B BF16 layer) beside a full engine.
         learned = os.environ.get("MXREFIT_LEARNED_LAYOUT", "")
         self._layouts = LayoutCache() if learned in ("1", "quantized") else None
         self._learn_quantized = learned == "quantized"
+        self._learn_unquantized = self._device.type == "cuda"
         self.learned_layouts: dict[str, str] = {}  # per signature: "learned (...)" or "refused: why"
         self._checkpoint_targets: dict[str, list[tuple[str, Target]]] = {}
         self._checkpoint: dict[str, torch.Tensor] | None = None
@@ -764,7 +774,13 @@ class VllmEngine(Engine):
         module = unit.module
         if _trtllm_moe(module):
             self._trtllm_fast_path(module, staged, unit.attrs)
-        elif self._layouts is not None and (_marlin_mxfp8(module) or self._learn_quantized and _quantized(module)):
+        elif self._layouts is not None and (
+            _marlin_mxfp8(module)
+            or self._learn_quantized
+            and _quantized(module)
+            or self._learn_unquantized
+            and _unquantized_linear(module)
+        ):
             self._learned_layout(self._layouts, module, staged)
         elif _needs_vllm_processing(module):
             _process_with_vllm(module, staged)
