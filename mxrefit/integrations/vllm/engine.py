@@ -78,6 +78,7 @@ from mxrefit.plan.types import Destination, ParamSpec, Shard, Target
 log = logging.getLogger("mxrefit.vllm")
 
 BACKEND = "mxrefit"  # the weight-transfer backend's name: WeightTransferConfig(backend="mxrefit")
+PROBE_UNQUANTIZED_BYTES = 64 << 20  # the largest unquantized linear whose processing is probed (CUDA, learned layouts)
 _NOT_WEIGHTS = ("Attention", "MLAAttention", "RotaryEmbedding")  # modules whose params no trainer tensor feeds
 
 
@@ -497,8 +498,12 @@ def _quantized(module: torch.nn.Module) -> bool:
 
 
 def _unquantized_linear(module: torch.nn.Module) -> bool:
-    """An unquantized linear or embedding (vLLM's processing of them on CUDA keeps the loaded bytes)."""
-    return type(getattr(module, "quant_method", None)).__name__ in ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
+    """An unquantized linear (vLLM's processing of it on CUDA keeps the loaded bytes)."""
+    return type(getattr(module, "quant_method", None)).__name__ == "UnquantizedLinearMethod"
+
+
+def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def _marlin_mxfp8(module: torch.nn.Module) -> bool:
@@ -574,11 +579,12 @@ class VllmEngine(Engine):
         # (engine/probed_layout.py) instead of re-running it; opt-in until it has run against a fresh vLLM on
         # Hopper. "quantized": every quantized module is probed (the probe's checks guard each signature, but
         # state a kernel keeps outside tensors, a oneDNN handle say, is invisible to them): for tests and
-        # kernels known to keep none. On CUDA, unquantized linears and embeddings are probed too: vLLM's
-        # processing of them there leaves the bytes as loaded (a learned identity: a plain copy instead of
-        # vLLM's reload of the module, ~0.4 ms each on the H200); on CPU never (the CPU build prepacks them
-        # into oneDNN state no probe sees). Unquantized MoE experts are not probed: the probe of one layer
-        # holds a few copies of its bytes (2.4 GB for a 30B BF16 layer) beside a full engine.
+        # kernels known to keep none. On CUDA, unquantized linears of up to PROBE_UNQUANTIZED_BYTES are probed
+        # too: vLLM's processing of them there leaves the bytes as loaded (a learned identity: a plain copy
+        # instead of vLLM's reload of the module, 0.3-0.5 ms each on the H200); on CPU never (the CPU build
+        # prepacks them into oneDNN state no probe sees). Not probed: larger ones, embeddings and unquantized
+        # MoE experts, since a probe holds ~18 bytes of scratch per byte of the module (int64 codes and
+        # sums) beside a full engine (5 GB for a 30B model's embedding), and vLLM's reload of those is rare.
         learned = os.environ.get("MXREFIT_LEARNED_LAYOUT", "")
         self._layouts = LayoutCache() if learned in ("1", "quantized") else None
         self._learn_quantized = learned == "quantized"
@@ -774,13 +780,7 @@ class VllmEngine(Engine):
         module = unit.module
         if _trtllm_moe(module):
             self._trtllm_fast_path(module, staged, unit.attrs)
-        elif self._layouts is not None and (
-            _marlin_mxfp8(module)
-            or self._learn_quantized
-            and _quantized(module)
-            or self._learn_unquantized
-            and _unquantized_linear(module)
-        ):
+        elif self._layouts is not None and self._probed(module, staged):
             self._learned_layout(self._layouts, module, staged)
         elif _needs_vllm_processing(module):
             _process_with_vllm(module, staged)
@@ -790,6 +790,14 @@ class VllmEngine(Engine):
         for other, other_attr, attr in unit.aliases:
             if _needs_vllm_processing(other):
                 _process_with_vllm(other, {other_attr: staged[attr]})
+
+    def _probed(self, module: torch.nn.Module, staged: dict[str, torch.Tensor]) -> bool:
+        """Whether the module's processing is learned (``MXREFIT_LEARNED_LAYOUT``, see ``__init__``)."""
+        if _marlin_mxfp8(module):
+            return True
+        if self._learn_quantized and _quantized(module):
+            return True
+        return self._learn_unquantized and _unquantized_linear(module) and _nbytes(staged) <= PROBE_UNQUANTIZED_BYTES
 
     def _learned_layout(self, layouts: LayoutCache, module: torch.nn.Module, staged: dict[str, torch.Tensor]) -> None:
         """Marlin MXFP8 processing as a byte gather learned from vLLM's own processing of the first
