@@ -11,7 +11,9 @@ Per format (``--fmts mxfp8,bf16``, one engine at a time; the trainer keeps its 6
 - mxrefit: ``--refits`` refits through the worker extension (``Sender(device="cuda")``): the
   sender's phases and the engine's apply/process times from the RefitReport, the device's
   peak extra memory during the refit (``mem_get_info`` sampled every ms; trainer's own share from
-  its allocator), and the time to the first token after the refit;
+  its allocator), and the time to the first token after the refit; ``--more-bucket-mb 2048,...``
+  then repeats those refits on the same engine with a new trainer (a new plan) per bucket size
+  (per-bucket costs on both sides: the trainer's turn-around, the engine's processing and sync);
 - vLLM's own path: ``--own-refits`` rounds of ``start_weight_update`` / IPC
   ``trainer_send_weights`` (packed, 1 GiB buffer; the checkpoint-format tensors, quantized on the
   trainer by vLLM's own ``mxfp8_e4m3_quantize`` for MXFP8, per-expert names as a ModelOpt
@@ -251,11 +253,51 @@ def soak(args, llm, sender, weights: dict, dump) -> dict:
     return out
 
 
+def mxrefit_refits(args, what: str, llm, sender, weights: dict) -> list[dict]:
+    """``args.refits`` refits through ``sender`` (the weights change between them), one row each."""
+    import torch
+
+    from mxrefit.integrations.vllm.client import refit_while
+
+    refits = []
+    for i in range(args.refits):
+        with torch.no_grad():
+            for t in list(weights.values())[:8]:
+                t.add_(1e-3)  # the weights change between refits
+        with PeakMemory() as mem:
+            r = refit_while(lambda: llm.collective_rpc("mxrefit_receive"), sender, weights)
+        llm.reset_prefix_cache()
+        ttft = first_token_s(llm)
+        row = {
+            "total_ms": r.total_s * 1e3,
+            "check_ms": r.check_s * 1e3,
+            "pack_ms": r.pack_s * 1e3,
+            "wait_ms": r.wait_s * 1e3,
+            "engine_fetch_ms": r.engine_fetch_s * 1e3,
+            "engine_apply_ms": r.engine_apply_s * 1e3,
+            "engine_process_ms": r.engine_process_s * 1e3,
+            "engine_after_refit_ms": r.engine_after_refit_s * 1e3,
+            "bytes": r.bytes,
+            "buckets": r.buckets,
+            "transport": r.transport,
+            "extra": r.extra,
+            "peak_extra_device_gb": mem.extra_gb,
+            "peak_extra_trainer_gb": mem.trainer_extra_gb,
+            "device_gb_left_after": mem.after_gb,
+            "first_token_after_s": ttft,
+        }
+        refits.append(row)
+        log(
+            f"{what}: mxrefit {i + 1}: {row['total_ms']:.1f} ms (process {row['engine_process_ms']:.1f} ms, "
+            f"{r.bytes / 1e9:.2f} GB, {r.transport}), peak +{mem.extra_gb:.2f} GB, first token {ttft * 1e3:.1f} ms"
+        )
+    return refits
+
+
 def run_format(args, fmt: str, weights: dict, result: dict, dump) -> None:
     import torch
     from vllm import LLM
 
-    from mxrefit.integrations.vllm.client import refit_while
     from mxrefit.source.sender import Sender
 
     path = config_dir(os.path.join(args.work, fmt), fmt, args.layers)
@@ -291,39 +333,7 @@ def run_format(args, fmt: str, weights: dict, result: dict, dump) -> None:
         info = llm.collective_rpc("mxrefit_init", kwargs={"experts": "grouped"})[0]
         res["init"] = {k: v for k, v in info.items() if k != "token"}
         sender = Sender(info["address"], bytes.fromhex(info["token"]), device="cuda", bucket_bytes=args.bucket_mb << 20)
-        refits = []
-        for i in range(args.refits):
-            with torch.no_grad():
-                for t in list(weights.values())[:8]:
-                    t.add_(1e-3)  # the weights change between refits
-            with PeakMemory() as mem:
-                r = refit_while(lambda: llm.collective_rpc("mxrefit_receive"), sender, weights)
-            llm.reset_prefix_cache()
-            ttft = first_token_s(llm)
-            row = {
-                "total_ms": r.total_s * 1e3,
-                "check_ms": r.check_s * 1e3,
-                "pack_ms": r.pack_s * 1e3,
-                "wait_ms": r.wait_s * 1e3,
-                "engine_fetch_ms": r.engine_fetch_s * 1e3,
-                "engine_apply_ms": r.engine_apply_s * 1e3,
-                "engine_process_ms": r.engine_process_s * 1e3,
-                "engine_after_refit_ms": r.engine_after_refit_s * 1e3,
-                "bytes": r.bytes,
-                "buckets": r.buckets,
-                "transport": r.transport,
-                "extra": r.extra,
-                "peak_extra_device_gb": mem.extra_gb,
-                "peak_extra_trainer_gb": mem.trainer_extra_gb,
-                "device_gb_left_after": mem.after_gb,
-                "first_token_after_s": ttft,
-            }
-            refits.append(row)
-            log(
-                f"{fmt}: mxrefit {i + 1}: {row['total_ms']:.1f} ms (process {row['engine_process_ms']:.1f} ms, "
-                f"{r.bytes / 1e9:.2f} GB, {r.transport}), peak +{mem.extra_gb:.2f} GB, first token {ttft * 1e3:.1f} ms"
-            )
-        res["mxrefit"] = refits
+        res["mxrefit"] = refits = mxrefit_refits(args, fmt, llm, sender, weights)
         res["mxrefit_median_ms"] = statistics.median(r["total_ms"] for r in refits[1:] or refits)
         # MXREFIT_PROFILE=1: the engine's post-load processing per module kind, summed over the refits above
         res["process_by_kind_ms_per_refit"] = {
@@ -332,6 +342,15 @@ def run_format(args, fmt: str, weights: dict, result: dict, dump) -> None:
         dump()
         if args.soak:
             res["soak"] = soak(args, llm, sender, weights, dump)
+        for mb in args.more_bucket_mb:  # the same engine, a new trainer and plan with larger buckets
+            sender.close()
+            sender = Sender(info["address"], bytes.fromhex(info["token"]), device="cuda", bucket_bytes=mb << 20)
+            more = mxrefit_refits(args, f"{fmt} @{mb} MiB buckets", llm, sender, weights)
+            res.setdefault("bucket_sweep", {})[mb] = {
+                "refits": more,
+                "median_ms": statistics.median(r["total_ms"] for r in more[1:] or more),
+            }
+            dump()
         sender.close()
         llm.collective_rpc("mxrefit_close")
         dump()
@@ -397,6 +416,12 @@ def main() -> int:
     p.add_argument("--refits", type=int, default=4)
     p.add_argument("--own-refits", type=int, default=1)
     p.add_argument("--bucket-mb", type=int, default=512)
+    p.add_argument(
+        "--more-bucket-mb",
+        type=lambda v: [int(x) for x in v.split(",") if x],
+        default=[],
+        help="after the refits (and the soak): as many refits again at each of these bucket sizes, same engine",
+    )
     p.add_argument("--gpu-util", type=float, default=0.45)
     p.add_argument("--moe-backend", default=None)
     p.add_argument(
