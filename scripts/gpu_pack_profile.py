@@ -6,7 +6,8 @@ plain copy, and the engine's TRT-LLM layout kernels on one Qwen3-30B-A3B layer, 
 run length: each program quantizes ITERS runs of NB blocks of one tensor, so the launch-table
 loads that precede every program's first read are paid once per ITERS runs (the library's default
 is NB 128, ITERS 4 since 2026-12-05); ``group_*`` rows time the library call, its host-side
-address check included; every row's bytes are checked against the library call's.
+address check included; every row's bytes are checked against the library call's. ``layout_*``
+rows time the kernel-layout launch (TRT-LLM rows, 128x4 scale tiles) at 1, 2 and 4 runs per program.
 
     PYTHONPATH=$PWD python3 scripts/gpu_pack_profile.py --json $OUT/pack_profile.json
 """
@@ -66,6 +67,42 @@ def loop_rows(srcs: list[torch.Tensor], outs: list, traffic: int, dev: torch.dev
                 )
                 s = timed(run)
                 rows[f"loop_nb{nb}_i{iters}_w{warps}"] = {"s": s, "GBps": traffic / s / 1e9, "bytes_equal": exact}
+    return rows
+
+
+def layout_rows(layers: int, dev: torch.device, e: int = 128, i_: int = 768, h: int = 2048) -> dict:
+    """The kernel-layout launch (``_layout_group_kernel``: TRT-LLM rows and 128x4 scale tiles, as the
+    trainer writes FlashInfer's MoE layout) on grouped experts (w13 gated, w2) at 1, 2 and 4 runs of
+    128 blocks per program, bytes compared with the one-run launch, against a copy of the same traffic."""
+    from mxrefit.formats.kernel_layout import KernelLayout, interleaved_size
+
+    srcs, outs, layouts = [], [], []
+    for _ in range(layers):
+        for m, kk, order in ((2 * i_, h, "trtllm-gated"), (h, i_, "trtllm")):
+            srcs.append(torch.randn(e, m, kk, device=dev, dtype=torch.bfloat16) * 0.02)
+            values = torch.empty(e, m, kk, dtype=torch.float8_e4m3fn, device=dev)
+            scales = torch.empty(e * interleaved_size(m, kk // 32), dtype=torch.uint8, device=dev)
+            outs.append((values, scales))
+            layouts.append((KernelLayout(rows=order), KernelLayout(rows=order, tiles="128x4")))
+    traffic = sum(t.numel() * 2 for t in srcs) + sum(v.numel() + sc.numel() for v, sc in outs)
+    bad = torch.full((1,), 2**31 - 1, dtype=torch.int32, device=dev)
+    rows: dict = {}
+    want = None
+    for iters in (1, 2, 4):
+        group = k.QuantizeGroup(srcs, outs, device=dev, iters=iters, layouts=layouts)
+        for v, sc in outs:
+            v.view(torch.uint8).fill_(0)
+            sc.fill_(0)
+        group(srcs, 0, bad)
+        got = [(v.view(torch.uint8).clone(), sc.clone()) for v, sc in outs]
+        want = want or got
+        exact = all(torch.equal(a, b) and torch.equal(c, d) for (a, c), (b, d) in zip(got, want))
+        s = timed(lambda: group(srcs, 0, bad))
+        rows[f"layout_nb128_i{iters}_w4"] = {"s": s, "GBps": traffic / s / 1e9, "bytes_equal": exact}
+    a = torch.empty(traffic // 2, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    s = timed(lambda: b.copy_(a))
+    rows["copy_layout_traffic"] = {"s": s, "GBps": traffic / s / 1e9}
     return rows
 
 
@@ -143,6 +180,7 @@ def main() -> None:
     s = timed(lambda: b.copy_(a))
     rows["copy_same_traffic"] = {"s": s, "GBps": traffic / s / 1e9}
     rows.update(trtllm_rows(dev))
+    rows.update(layout_rows(args.layers, dev))
     out = {"tensors": len(srcs), "bf16_bytes": nbytes, "traffic_bytes": traffic, "rows": rows}
     print(json.dumps(out, indent=1))
     with open(args.json, "w") as f:

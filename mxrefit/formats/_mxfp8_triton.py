@@ -161,6 +161,7 @@ def _layout_group_kernel(
     col_groups_of,
     MIN_BYTE: tl.constexpr,
     NB: tl.constexpr,
+    ITERS: tl.constexpr,
     INT_ROUND: tl.constexpr,
     IS_BF16: tl.constexpr,
     ALIGNED: tl.constexpr,
@@ -174,32 +175,34 @@ def _layout_group_kernel(
     t, first, n_blocks, src, dst_values, dst_scales = _program_tensor(
         prog_tensor, prog_block, n_blocks_of, src_addr, values_addr, scales_addr
     )
-    blk = first + tl.arange(0, NB)
-    blk_mask = blk < n_blocks
     if ALIGNED:
         src = tl.multiple_of(src, 16)
         dst_values = tl.multiple_of(dst_values, 16)
     inverse = tl.load(inverse_addr + t).to(tl.pointer_type(tl.int32))
     m_rows = tl.load(rows_of + t)
     kblocks = tl.load(kblocks_of + t)
-    row = blk // kblocks
-    kb = blk - row * kblocks
-    e = row // m_rows
-    km = tl.load(inverse + tl.load(row_offset_of + t) + (row - e * m_rows), mask=blk_mask, other=0).to(tl.int64)
-    krow = e * tl.load(region_rows_of + t) + km
-    tiled_at = (
-        e * tl.load(tile_bytes_of + t)
-        + (km // 128) * tl.load(col_groups_of + t) * 512
-        + (kb // 4) * 512
-        + (km % 32) * 16
-        + ((km % 128) // 32) * 4
-        + kb % 4
-    )
-    scale_at = tl.where(tl.load(tiled_of + t) != 0, tiled_at, krow * kblocks + kb)
-    is_bad = _quantize_blocks(
-        src, dst_values, dst_scales, blk, (krow * kblocks + kb) * 32, scale_at, blk_mask, MIN_BYTE, INT_ROUND, IS_BF16
-    )
-    any_bad = tl.max(is_bad.to(tl.int32), axis=0)
+    row_offset = tl.load(row_offset_of + t)
+    region_rows = tl.load(region_rows_of + t)
+    tile_bytes = tl.load(tile_bytes_of + t)
+    col_groups = tl.load(col_groups_of + t)
+    tiled = tl.load(tiled_of + t) != 0
+    any_bad = tl.zeros((), dtype=tl.int32)
+    for i in tl.static_range(ITERS):
+        blk = first + i * NB + tl.arange(0, NB)
+        blk_mask = blk < n_blocks
+        row = blk // kblocks
+        kb = blk - row * kblocks
+        e = row // m_rows
+        km = tl.load(inverse + row_offset + (row - e * m_rows), mask=blk_mask, other=0).to(tl.int64)
+        krow = e * region_rows + km
+        tiled_at = (
+            e * tile_bytes + (km // 128) * col_groups * 512 + (kb // 4) * 512 + (km % 32) * 16 + ((km % 128) // 32) * 4 + kb % 4
+        )
+        scale_at = tl.where(tiled, tiled_at, krow * kblocks + kb)
+        is_bad = _quantize_blocks(
+            src, dst_values, dst_scales, blk, (krow * kblocks + kb) * 32, scale_at, blk_mask, MIN_BYTE, INT_ROUND, IS_BF16
+        )
+        any_bad = tl.maximum(any_bad, tl.max(is_bad.to(tl.int32), axis=0))
     tl.atomic_min(bad_ptr, t, mask=any_bad > 0)
 
 
@@ -285,8 +288,8 @@ class QuantizeGroup:
     Destinations are fixed (views of a persistent transfer buffer), so their addresses are
     tabled at construction; source addresses are re-sent only when they change. With
     ``layouts`` (per tensor: the values' and the scales' ``KernelLayout`` or None) every block
-    is written in its kernel layout (``_layout_group_kernel``, one run of blocks per program: its
-    looped form has not been timed); scale parts whose tiles are padded are zeroed first (one
+    is written in its kernel layout (``_layout_group_kernel``; one run of blocks per program by
+    default, since its looped form has not been timed); scale parts whose tiles are padded are zeroed first (one
     ``_foreach_zero_``), since the kernel writes data bytes only (never a shared region:
     ``check_layouts`` refuses padding there).
     """
@@ -308,8 +311,6 @@ class QuantizeGroup:
         self.is_bf16 = sources[0].dtype == torch.bfloat16
         self.nb = blocks_per_program
         self.iters = iters if iters is not None else (1 if layouts is not None else 4)
-        if layouts is not None and self.iters != 1:
-            raise ValueError(f"the kernel-layout launch runs one run of blocks per program, not {self.iters}")
         self.num_warps = num_warps
         n_blocks = [s.numel() // 32 for s in sources]
         self.table = LaunchTable(n_blocks, self.nb * self.iters, outs, self.device, "MXFP8")
@@ -355,5 +356,6 @@ class QuantizeGroup:
             lay.tiled_of,
             lay.tile_bytes_of,
             lay.col_groups_of,
+            ITERS=self.iters,
             **constants,
         )

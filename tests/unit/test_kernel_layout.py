@@ -231,9 +231,9 @@ from tests.unit.test_kernel_layout import (
 )
 from mxrefit.formats.kernel_layout import KernelLayout
 
-def run(srcs, layouts, sizes, min_byte=0, inverse_fault=False):
+def run(srcs, layouts, sizes, min_byte=0, inverse_fault=False, iters=None):
     outs = [(garbage(a), garbage(b)) for a, b in sizes]
-    group = _mxfp8_triton.QuantizeGroup(srcs, outs, blocks_per_program=16, layouts=layouts)
+    group = _mxfp8_triton.QuantizeGroup(srcs, outs, blocks_per_program=16, layouts=layouts, iters=iters)
     assert group.layout is not None
     if inverse_fault:  # negative control: one swapped pair in the first tensor's inverse permutation
         group.layout.inverses[0][[0, 1]] = group.layout.inverses[0][[1, 0]]
@@ -249,10 +249,11 @@ for i, shape in enumerate(LINEAR_CASES):
     x = source(shape, 10 + i)
     srcs.append(x); layouts.append((None, KernelLayout(tiles="128x4"))); want.append(linear_two_pass(x))
 sizes = [(v.numel(), s.numel()) for v, s in want]
-outs, bad = run(srcs, layouts, sizes)
-assert bad == 2**31 - 1
-for (v, s), (wv, ws) in zip(outs, want):
-    assert torch.equal(v, wv) and torch.equal(s, ws)
+for iters in (None, 3):  # one run of blocks per program (the default with layouts), and three
+    outs, bad = run(srcs, layouts, sizes, iters=iters)
+    assert bad == 2**31 - 1
+    for (v, s), (wv, ws) in zip(outs, want):
+        assert torch.equal(v, wv) and torch.equal(s, ws), iters
 # per-expert gate/up into shared w13 regions, in one launch with whole experts and linear scales
 for experts, rows, k in W13_CASES:
     for swap in (False, True):
@@ -284,6 +285,8 @@ assert torch.equal(outs[0][0], ref_v) and torch.equal(outs[0][1], ref_s)
 faulty = [t.clone() for t in srcs]
 faulty[3][5, 70] = float("inf"); faulty[1][1, 3, 9] = float("nan")
 _, bad = run(faulty, layouts, sizes)
+assert bad == 1, bad
+_, bad = run(faulty, layouts, sizes, iters=3)
 assert bad == 1, bad
 # negative control: a wrong permutation in the kernel's table is caught by the comparison
 outs, _ = run(srcs, layouts, sizes, inverse_fault=True)
