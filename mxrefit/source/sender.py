@@ -39,7 +39,7 @@ import torch
 from mxrefit.devices import resolve
 from mxrefit.errors import MxrefitError
 from mxrefit.formats import get_format, mxfp8
-from mxrefit.formats._common import NO_BAD
+from mxrefit.formats._common import NO_BAD, first_bad
 from mxrefit.formats.finite_check import FiniteCheck
 from mxrefit.formats.kernel_layout import KernelLayout
 from mxrefit.plan.build import (
@@ -110,10 +110,8 @@ class _BucketFlags:
         k = i % 2
         if self.cuda:
             self.events[k].synchronize()
-            first = int(self.host[k])
-        else:
-            first = int(self.cells[k])
-        return None if first == NO_BAD else first
+            return first_bad(self.host[k : k + 1])
+        return first_bad(self.cells[k : k + 1])
 
 
 @dataclass
@@ -454,7 +452,6 @@ class Sender:
             self._preempt(f"refit {self._unfinished} did not finish; refit {version} starts")
         self._unfinished = version
         acked = 0
-        encoders_of = self._bucket_encoders
         try:
             self.begins_sent += 1
             self._request(
@@ -472,8 +469,9 @@ class Sender:
             # on its own kernels only, while bucket i + 1's are already queued, so the device does not idle
             # between buckets for the host's turn-around (on the H200 on 2026-12-05, with a host sync per
             # bucket, packing ran at ~55% of the copy rate against 84-97% for the kernels alone). The engine
-            # has no more buckets in flight than before (the wait below lags one). A stream finishes each bucket at once (it holds one bucket's tensors at a time);
-            # so do slots, where bucket i + 1's slot is free only once bucket i + 1 - slots was applied.
+            # has no more buckets in flight than before (the wait below lags one). A stream finishes each
+            # bucket at once (it holds one bucket's tensors at a time); so do slots, where bucket i + 1's
+            # slot is free only once bucket i + 1 - slots was applied.
             behind = stream is None and path.buffers is None
             lag = 1 if behind else 0
             pending: Bucket | None = None
@@ -486,7 +484,7 @@ class Sender:
                     for i, x in zip(b.sources, self._pull(stream, b, version, report)):
                         srcs[i] = x
                 cell = self._flags.cell(b.index)
-                for idx, encode in encoders_of[b.index]:
+                for idx, encode in self._bucket_encoders[b.index]:
                     encode([srcs[i] for i in idx], cell)
                 self._flags.mark(b.index)
                 report.pack_s += time.perf_counter() - t
