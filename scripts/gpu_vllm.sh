@@ -22,6 +22,8 @@
 #   headline Qwen3-30B-A3B shapes, dummy weights: mxrefit vs vLLM's own IPC path (vllm_headline.py)
 #   trl      TRL 1.16 GRPOTrainer colocate, ~1.7B random Qwen3: TRL's own weight sync vs mxrefit's, per-step sync and
 #            step times (gpu_trl.py; TRL_FMTS=bf16,mxfp8 adds MXFP8); TRL + datasets wheels from .whl/ into /tmp/site4
+#   gather   the learned byte gather alone (gpu_gather_profile.py, run it alone: it times): vLLM's Marlin MXFP8 layouts
+#            of Qwen3-30B-A3B learned as the engine does, the library gather and kernel variants against a copy
 #   digests  the 3.54e-4 hunt (docs/vllm.md): dense MXFP8 through the extension, the backend and the learned layout,
 #            sha256 of every parameter, buffer and plain kernel tensor of engine A and of each fresh vLLM compared
 #   bench    issue 23 on the GPU, one command after another (run it alone: it times): the same-process CUDA opens
@@ -121,6 +123,10 @@ if has headline; then
     --fmts ${HEADLINE_FMTS:-mxfp8,bf16} ${HEADLINE_ARGS:-} --json $RES/headline.json > $RES/headline.log 2>&1 &
   pids+=($!)
 fi
+if has gather; then  # the learned byte gather alone on vLLM's Marlin layouts of Qwen3-30B-A3B: kernel variants against a copy
+  timeout ${GATHER_TIMEOUT:-300} python3 scripts/gpu_gather_profile.py --json $RES/gather.json > $RES/gather.log 2>&1 &
+  pids+=($!)
+fi
 if has trl; then  # TRL and its wheels (.whl/: trl, datasets, dill, multiprocess)
   wheels
   timeout ${TRL_TIMEOUT:-420} python3 scripts/gpu_trl.py --mode both --fmt ${TRL_FMTS:-bf16} \
@@ -147,9 +153,9 @@ if has bench; then
 fi
 for p in "${pids[@]}"; do wait $p; done
 {
-  for f in $RES/oracle_*.log $RES/moe_hang.out $RES/headline.log $RES/trl.log $RES/pytest_*.log $RES/bench_*.log; do
+  for f in $RES/oracle_*.log $RES/moe_hang.out $RES/headline.log $RES/gather.log $RES/trl.log $RES/pytest_*.log $RES/bench_*.log; do
     [[ -f $f ]] || continue
-    echo "== $(basename $f)"; grep -E "oracle:|moe_hang:|headline:|trl_bench:|VARIANT-|Error|error:|passed|failed|total, ms|x copy floor|intercept|checkpoint-engine" $f | grep -v "^\s*$" | tail -14
+    echo "== $(basename $f)"; grep -E "oracle:|moe_hang:|headline:|gather|GB/s|trl_bench:|VARIANT-|Error|error:|passed|failed|total, ms|x copy floor|intercept|checkpoint-engine" $f | grep -v "^\s*$" | tail -14
   done
 } > $RES/summary.txt 2>&1
 cp $RES/summary.txt $OUT/summary.txt

@@ -53,3 +53,12 @@ def test_fp8_block_kernel_script(tmp_path):
     _run(["scripts/gpu_fp8_block.py", "--smoke", "--json", str(out)], tmp_path)
     differing = json.loads(out.read_text())["parity_total_differing"]
     assert differing and all(n == 0 for n in differing.values()), differing
+
+
+def test_gather_profile_script(tmp_path):
+    out = tmp_path / "gather.json"
+    _run(["scripts/gpu_gather_profile.py", "--smoke", "--json", str(out)], tmp_path)
+    report = json.loads(out.read_text())
+    tensors = [t for kind in report["kinds"].values() for t in kind["tensors"].values()]
+    assert tensors and not any(t["identity"] for t in tensors)  # the stand-in permutes: the gather is exercised
+    assert report["all_equal"] is True

@@ -1,0 +1,275 @@
+"""The learned byte gather alone on the GPU, on vLLM's own Marlin MXFP8 layouts of Qwen3-30B-A3B (issue 22).
+
+Why: in the 48-layer headline on the H200 the engine side took ~98 ms of a 160 ms MXFP8 refit, where
+a copy of its 32 GB needs ~15 ms; the H100 at 24 layers showed the same share without the profile's
+syncs (58 of 88 ms). Most of those bytes go through ``ByteGather`` (``engine/probed_layout.py``).
+This script learns each module kind's layout from vLLM's own Marlin processing (``derive``, as the
+engine does), then times, per kind and against a copy of the same bytes:
+- ``library``: ``ProbedLayout.apply``, what a refit runs (host work included);
+- ``gather_b*_w*``: the library's Triton kernel alone at other block sizes and warp counts;
+- ``scatter_b*_w*``: the same permutation driven from the input side (loads contiguous, byte stores
+  scattered), where the index is a permutation;
+- ``wide*``: the gather over 2-, 4- or 8-byte words, where the index moves aligned runs that long;
+and describes each index (the longest aligned run it moves whole; the 32-byte input sectors a warp's
+32 consecutive output bytes read; the input span of a 1,024-byte output block), so a faster kernel
+is aimed at what the layout is. Every variant's bytes are compared with vLLM's processing.
+Ends with the estimate for a whole 48-layer refit, to set beside the headline's engine-side time.
+
+    PYTHONPATH=/tmp/site:$PWD python3 scripts/gpu_gather_profile.py --json $OUT/gather.json     # vLLM on the path
+    python3 scripts/gpu_gather_profile.py --smoke --json /tmp/gather.json   # CPU: a stand-in layout, tiny shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+
+import torch
+
+from mxrefit.engine.probed_layout import ByteGather, derive
+
+Tensors = dict[str, torch.Tensor]
+LAYERS = 48  # Qwen3-30B-A3B
+E, HIDDEN, MOE_I, QKV_N, O_K = 128, 2048, 768, (32 + 2 * 4) * 128, 32 * 128
+
+
+def timed(fn: Callable[[], None], dev: torch.device, reps: int = 7) -> float:
+    """Median seconds of ``reps`` calls after a warm-up (CUDA events on the GPU, the wall clock on CPU)."""
+    if dev.type == "cuda":
+        from cuda_timing import timed as cuda_timed
+
+        return cuda_timed(fn, reps)
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+# ---- the processing whose layout is learned ----------------------------------------------------
+def vllm_dense(n: int, k: int) -> Callable[[Tensors], Tensors]:
+    """vLLM's ``prepare_mxfp8_layer_for_marlin`` on a linear of (n, k): what ``MarlinMxfp8LinearKernel`` runs."""
+    from vllm.model_executor.layers.quantization.utils.marlin_utils_fp8 import prepare_mxfp8_layer_for_marlin
+
+    layer = torch.nn.Module()
+    layer.output_size_per_partition, layer.input_size_per_partition = n, k
+
+    def process(t: Tensors) -> Tensors:
+        for name, x in t.items():
+            setattr(layer, name, torch.nn.Parameter(x.clone(), requires_grad=False))
+        prepare_mxfp8_layer_for_marlin(layer)
+        return {"weight": layer.weight.data, "weight_scale": layer.weight_scale.data}
+
+    return process
+
+
+def vllm_moe() -> Callable[[Tensors], Tensors]:
+    """vLLM's ``prepare_mxfp8_moe_layer_for_marlin`` on all experts of one layer (its Python loop over experts)."""
+    from vllm.model_executor.layers.quantization.utils.marlin_utils_fp8 import prepare_mxfp8_moe_layer_for_marlin
+
+    layer = torch.nn.Module()
+    names = ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale")
+
+    def process(t: Tensors) -> Tensors:
+        return dict(zip(names, prepare_mxfp8_moe_layer_for_marlin(layer, *(t[n] for n in names))))
+
+    return process
+
+
+def standin(t: Tensors) -> Tensors:
+    """A tiled transpose with byte interleaving inside 4-byte words, for the CPU smoke run (no Marlin there)."""
+    out = {}
+    for name, x in t.items():
+        u8 = x.view(torch.uint8)
+        *lead, n, k = u8.shape
+        tiles = u8.reshape(*lead, n // 4, 4, k // 4, 4).transpose(-3, -2).transpose(-2, -1)
+        out[name] = tiles[..., [0, 2, 1, 3]].contiguous().view(*lead, n, k)
+    return out
+
+
+def kinds(smoke: bool, dev: torch.device) -> dict[str, tuple[Tensors, int, Callable[[Tensors], Tensors]]]:
+    """Per module kind: checkpoint-format tensors (random bytes), experts, processing."""
+
+    def linear(n: int, k: int, e: int = 0) -> Tensors:
+        lead = (e,) if e else ()
+        w = torch.randint(0, 256, (*lead, n, k), dtype=torch.uint8, device=dev).view(torch.float8_e4m3fn)
+        s = torch.randint(100, 140, (*lead, n, k // 32), dtype=torch.uint8, device=dev)
+        return {"weight": w, "weight_scale": s}
+
+    if smoke:
+        return {"dense": (linear(64, 128), 1, standin), "moe_w13": (linear(96, 128, 4), 4, standin)}
+    moe = {
+        **{f"w13_{n}": t for n, t in linear(2 * MOE_I, HIDDEN, E).items()},
+        **{f"w2_{n}": t for n, t in linear(HIDDEN, MOE_I, E).items()},
+    }
+    return {
+        "qkv_proj": (linear(QKV_N, HIDDEN), 1, vllm_dense(QKV_N, HIDDEN)),
+        "o_proj": (linear(HIDDEN, O_K), 1, vllm_dense(HIDDEN, O_K)),
+        "experts": (moe, E, vllm_moe()),
+    }
+
+
+# ---- what an index looks like ------------------------------------------------------------------
+def granule(index: torch.Tensor) -> int:
+    """The longest aligned run (8, 4, 2 or 1 bytes) that the index moves whole, word for word."""
+    for g in (8, 4, 2):
+        if index.numel() % g:
+            continue
+        runs = index.view(-1, g).to(torch.int64)
+        if bool((runs[:, 0] % g == 0).all()) and bool((runs - runs[:, :1] == torch.arange(g, device=index.device)).all()):
+            return g
+    return 1
+
+
+def shape_of(index: torch.Tensor) -> dict:
+    """Sectors per warp load and input span per 1,024-byte output block (means)."""
+    idx = index.to(torch.int64)
+    n = idx.numel() // 32 * 32
+    warp = (idx[:n].view(-1, 32) // 32).sort(dim=1).values
+    sectors = 1 + (warp[:, 1:] != warp[:, :-1]).sum(1)
+    m = idx.numel() // 1024 * 1024
+    blocks = idx[:m].view(-1, 1024)
+    span = blocks.max(1).values - blocks.min(1).values + 1
+    return {
+        "out_bytes_per_expert": idx.numel(),
+        "granule_bytes": granule(index),
+        "is_permutation": bool(torch.equal(idx.sort().values, torch.arange(idx.numel(), device=idx.device))),
+        "sectors_per_warp_load": float(sectors.float().mean()) if n else None,
+        "input_span_per_1k_block": float(span.float().mean()) if m else None,
+    }
+
+
+# ---- variants ----------------------------------------------------------------------------------
+def _triton_variants():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def scatter(src, dst, inverse, N_IN, N_OUT, E, BLOCK: tl.constexpr):
+        """dst[e, inverse[i]] = src[e, i]: the input read in order, the bytes stored where they go."""
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        live = i < N_IN
+        to = tl.load(inverse + i, mask=live, other=0).to(tl.int64)
+        s = src
+        d = dst
+        for _ in range(E):
+            tl.store(d + to, tl.load(s + i, mask=live), mask=live)
+            s += N_IN
+            d += N_OUT
+
+    return triton, scatter
+
+
+def variants(g: ByteGather, src: torch.Tensor, dst: torch.Tensor, want: torch.Tensor, dev: torch.device) -> dict:
+    """Every variant of one gather ((E, n_in) ``src`` into (E, n_out) ``dst``), timed and checked against ``want``."""
+    rows: dict = {}
+    moved = src.numel() + dst.numel() if g.identity else 2 * dst.numel()
+
+    def row(name: str, fn: Callable[[], None]) -> None:
+        dst.zero_()
+        fn()
+        equal = torch.equal(dst, want)
+        s = timed(fn, dev)
+        rows[name] = {"s": s, "GBps": moved / s / 1e9, "bytes_equal": equal}
+
+    copy_src = torch.empty_like(dst)
+    s = timed(lambda: dst.copy_(copy_src), dev)
+    rows["copy"] = {"s": s, "GBps": 2 * dst.numel() / s / 1e9}
+    row("library", lambda: g.rows(src, dst))
+    if dev.type != "cuda" or g.identity:
+        return rows
+    from mxrefit.engine import _gather_triton as gk
+
+    for block in (512, 1024, 2048, 4096):
+        for warps in (4, 8):
+            row(f"gather_b{block}_w{warps}", lambda: gk.gather(src, dst, g.index, block=block, num_warps=warps))
+    wide = granule(g.index)
+    if wide > 1:
+        word = {2: torch.int16, 4: torch.int32, 8: torch.int64}[wide]
+        windex = (g.index.view(-1, wide)[:, 0] // wide).long()
+        ws, wd = src.view(word), dst.view(word)
+        row(f"wide{wide}", lambda: torch.index_select(ws, 1, windex, out=wd))
+    if shape_of(g.index)["is_permutation"]:
+        triton, scatter = _triton_variants()
+        inverse = torch.empty_like(g.index)
+        inverse[g.index.long()] = torch.arange(g.index.numel(), device=dev, dtype=g.index.dtype)
+        e, n_in = src.shape
+        for block in (1024, 4096):
+            for warps in (4, 8):
+                row(
+                    f"scatter_b{block}_w{warps}",
+                    lambda: scatter[(triton.cdiv(n_in, block),)](
+                        src, dst, inverse, n_in, dst.shape[1], e, BLOCK=block, num_warps=warps
+                    ),
+                )
+    return rows
+
+
+def profile_kind(name: str, staged: Tensors, experts: int, process: Callable[[Tensors], Tensors], dev: torch.device) -> dict:
+    held: Tensors = {}
+
+    def run(t: Tensors) -> None:
+        held.clear()
+        held.update(process(t))
+
+    t = time.perf_counter()
+    layout = derive(run, lambda: dict(held), staged, experts=experts)
+    learn_s = time.perf_counter() - t
+    if isinstance(layout, str):
+        return {"refused": layout}
+    want = {a: x.clone() for a, x in held.items()}  # vLLM's processing of the real weights
+    kernel = {a: torch.empty_like(x) for a, x in want.items()}
+    out: dict = {"learn_s": learn_s, "experts": experts, "index_bytes": layout.index_bytes}
+    lib = timed(lambda: layout.apply(staged, kernel), dev)
+    out["apply_all_s"] = lib
+    out["apply_all_equal"] = all(torch.equal(kernel[a].view(torch.uint8), want[a].view(torch.uint8)) for a in want)
+    out["processing_s"] = timed(lambda: process(staged), dev, reps=3)
+    out["tensors"] = {}
+    for attr, g in layout.gathers.items():
+        src = staged[g.source].reshape(-1).view(torch.uint8).view(experts, -1)
+        dst = torch.empty(experts, g.out_bytes, dtype=torch.uint8, device=dev)
+        ref = want[attr].reshape(-1).view(torch.uint8).view(experts, -1)
+        info = {"identity": g.identity, **({} if g.identity else shape_of(g.index))}
+        info["rows"] = variants(g, src, dst, ref, dev)
+        out["tensors"][attr] = info
+    print(
+        f"{name}: "
+        + ", ".join(
+            f"{a} {t['rows']['library']['GBps']:.0f} GB/s (copy {t['rows']['copy']['GBps']:.0f})"
+            for a, t in out["tensors"].items()
+        )
+    )
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--smoke", action="store_true", help="CPU: a stand-in layout on tiny shapes (no vLLM)")
+    args = ap.parse_args()
+    dev = torch.device("cpu") if args.smoke else torch.device("cuda", 0)
+    torch.set_default_dtype(torch.bfloat16)  # the engine's parameter dtype: Marlin's scales pass through it
+    result: dict = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "kinds": {}}
+    for name, (staged, experts, process) in kinds(args.smoke, dev).items():
+        result["kinds"][name] = profile_kind(name, staged, experts, process, dev)
+    done = [k for k in result["kinds"].values() if "apply_all_s" in k]
+    result["all_equal"] = bool(done) and all(
+        k["apply_all_equal"] and all(r.get("bytes_equal", True) for t in k["tensors"].values() for r in t["rows"].values())
+        for k in done
+    )
+    if not args.smoke:
+        layer = sum(k["apply_all_s"] for k in done)
+        copy = sum(t["rows"]["copy"]["s"] for k in done for t in k["tensors"].values())
+        result["per_refit_48_layers_ms"] = {"library": LAYERS * layer * 1e3, "copy_same_bytes": LAYERS * copy * 1e3}
+        print(f"gather per 48-layer refit: {LAYERS * layer * 1e3:.1f} ms (a copy of the same bytes {LAYERS * copy * 1e3:.1f} ms)")
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"all bytes equal the processing's: {result['all_equal']}")
+
+
+if __name__ == "__main__":
+    main()
