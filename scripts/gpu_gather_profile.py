@@ -5,14 +5,15 @@ a copy of its 32 GB needs ~15 ms; the H100 at 24 layers showed the same share wi
 syncs (58 of 88 ms). Most of those bytes go through ``ByteGather`` (``engine/probed_layout.py``).
 This script learns each module kind's layout from vLLM's own Marlin processing (``derive``, as the
 engine does), then times, per kind and against a copy of the same bytes:
-- ``library``: ``ProbedLayout.apply``, what a refit runs (host work included);
-- ``gather_b*_w*``: the library's Triton kernel alone at other block sizes and warp counts;
+- ``library``: ``ByteGather.rows`` with the kernel ``derive`` kept (``kernel``: the byte gather or the
+  chunked one, whichever ran faster when learned), what a refit runs;
+- ``gather_b*_w*``: the library's byte gather kernel at other block sizes and warp counts;
 - ``scatter_b*_w*``: the same permutation driven from the input side (loads contiguous, byte stores
   scattered), where the index is a permutation;
 - ``wide*``: the gather over 2-, 4- or 8-byte words, where the index moves aligned runs that long;
-- ``chunked_b*_c*``: per output block, the aligned input chunks it reads loaded whole (vector loads)
-  and its bytes picked out of them in registers, where every block reads at most block/chunk chunks
-  (Marlin's 16x64 tiles read 64 rows of 16 bytes each: the library kernel's byte loads touch ~8
+- ``chunked_b*_c*``: the library's chunked kernel (``ChunkTable``: per output block the aligned input
+  chunks it reads, loaded whole, its bytes picked out of them in registers) at other block and chunk
+  sizes (Marlin's 16x64 tiles read 64 rows of 16 bytes each: the byte gather's loads touch ~8
   sectors per warp instruction there);
 and describes each index (the longest aligned run it moves whole; the 32-byte input sectors a warp's
 32 consecutive output bytes read; the input span of a 1,024-byte output block), so a faster kernel
@@ -32,7 +33,7 @@ from collections.abc import Callable
 
 import torch
 
-from mxrefit.engine.probed_layout import ByteGather, derive
+from mxrefit.engine.probed_layout import ByteGather, ChunkTable, derive
 
 Tensors = dict[str, torch.Tensor]
 LAYERS = 48  # Qwen3-30B-A3B
@@ -147,50 +148,10 @@ def shape_of(index: torch.Tensor) -> dict:
     }
 
 
-def chunk_plan(index: torch.Tensor, block: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor] | str:
-    """The gather as, per ``block`` output bytes, ``block // chunk`` aligned input chunks of ``chunk`` bytes
-    (their start offsets, int64) and each output byte's place among the chunks' bytes (int16); or why not."""
-    n = index.numel()
-    if n % block:
-        return f"{n} output bytes are not whole blocks of {block}"
-    slots = block // chunk
-    ids = (index.to(torch.int64) // chunk).view(-1, block)
-    order = ids.argsort(dim=1, stable=True)
-    ranked = ids.gather(1, order)
-    new = torch.ones_like(ranked, dtype=torch.bool)
-    new[:, 1:] = ranked[:, 1:] != ranked[:, :-1]
-    slot_sorted = new.to(torch.int64).cumsum(1) - 1
-    used = int(slot_sorted[:, -1].max()) + 1
-    if used > slots:
-        return f"a block of {block} output bytes reads {used} chunks of {chunk} bytes, more than {slots}"
-    slot = torch.empty_like(slot_sorted).scatter_(1, order, slot_sorted)
-    starts = ranked[:, :1].expand(-1, slots).clone()  # unused slots repeat the first chunk (in bounds)
-    starts.scatter_(1, slot_sorted, ranked)
-    local = slot * chunk + index.to(torch.int64).view(-1, block) % chunk
-    return (starts * chunk).contiguous(), local.to(torch.int16).contiguous()
-
-
 # ---- variants ----------------------------------------------------------------------------------
 def _triton_variants():
     import triton
     import triton.language as tl
-
-    @triton.jit
-    def chunked(src, dst, starts, local, N_IN, N_OUT, E, SLOTS: tl.constexpr, CHUNK: tl.constexpr):
-        """Per block: its input chunks loaded whole (CHUNK contiguous bytes each), the block's bytes picked
-        out of them in registers (``tl.gather``), the block stored contiguous; the tables are read once for all E."""
-        b = tl.program_id(0).to(tl.int64)
-        at = tl.multiple_of(tl.load(starts + b * SLOTS + tl.arange(0, SLOTS)), CHUNK)
-        offs = at[:, None] + tl.arange(0, CHUNK)[None, :]
-        pick = tl.load(local + b * SLOTS * CHUNK + tl.arange(0, SLOTS * CHUNK)).to(tl.int32)
-        out = b * SLOTS * CHUNK + tl.arange(0, SLOTS * CHUNK)
-        s = src
-        d = dst
-        for _ in range(E):
-            flat = tl.reshape(tl.load(s + offs), (SLOTS * CHUNK,))
-            tl.store(d + out, tl.gather(flat, pick, 0))
-            s += N_IN
-            d += N_OUT
 
     @triton.jit
     def scatter(src, dst, inverse, N_IN, N_OUT, E, BLOCK: tl.constexpr):
@@ -205,7 +166,7 @@ def _triton_variants():
             s += N_IN
             d += N_OUT
 
-    return triton, scatter, chunked
+    return triton, scatter
 
 
 def variants(g: ByteGather, src: torch.Tensor, dst: torch.Tensor, want: torch.Tensor, dev: torch.device) -> dict:
@@ -237,20 +198,17 @@ def variants(g: ByteGather, src: torch.Tensor, dst: torch.Tensor, want: torch.Te
         windex = (g.index.view(-1, wide)[:, 0] // wide).long()
         ws, wd = src.view(word), dst.view(word)
         row(f"wide{wide}", lambda: torch.index_select(ws, 1, windex, out=wd))
-    triton, scatter, chunked = _triton_variants()
+    triton, scatter = _triton_variants()
     e, n_in = src.shape
     for block, chunk in ((1024, 16), (2048, 16), (1024, 32)):
-        plan = chunk_plan(g.index, block, chunk)
-        if isinstance(plan, str):
-            rows[f"chunked_b{block}_c{chunk}"] = {"refused": plan}
+        table = ChunkTable.of(g.index, block, chunk)
+        if table is None:
+            rows[f"chunked_b{block}_c{chunk}"] = {"refused": "an output block reads more chunks than it has bytes for"}
             continue
-        starts, local = plan
         for warps in (4, 8):
             row(
                 f"chunked_b{block}_c{chunk}_w{warps}",
-                lambda: chunked[(dst.shape[1] // block,)](
-                    src, dst, starts, local, n_in, dst.shape[1], e, SLOTS=block // chunk, CHUNK=chunk, num_warps=warps
-                ),
+                lambda: gk.chunked(src, dst, table.starts, table.local, num_warps=warps),
             )
     if shape_of(g.index)["is_permutation"]:
         inverse = torch.empty_like(g.index)
@@ -290,7 +248,7 @@ def profile_kind(name: str, staged: Tensors, experts: int, process: Callable[[Te
         src = staged[g.source].reshape(-1).view(torch.uint8).view(experts, -1)
         dst = torch.empty(experts, g.out_bytes, dtype=torch.uint8, device=dev)
         ref = want[attr].reshape(-1).view(torch.uint8).view(experts, -1)
-        info = {"identity": g.identity, **({} if g.identity else shape_of(g.index))}
+        info = {"identity": g.identity, "kernel": g.kernel, **({} if g.identity else shape_of(g.index))}
         info["rows"] = variants(g, src, dst, ref, dev)
         out["tensors"][attr] = info
     print(

@@ -1,10 +1,12 @@
-"""Triton kernel of ``engines.probed_layout``: one byte gather for every expert of a parameter.
+"""Triton kernels of ``engines.probed_layout``: one byte gather for every expert of a parameter.
 
 Why a kernel: the index is per expert (a Qwen3-30B-A3B expert's w13 is 1536x2048 bytes, 12.6 MB
 of int32 index), and ``index_select`` along dim 1 of the (E, bytes) views walks it once per
-expert; here each program loads one block of the index once and moves that block for all E
-experts. The bytes are the torch path's exactly (tests/test_probed_layout.py compares both
-under Triton's interpreter).
+expert; here each program loads its part of the index once and moves those bytes for all E
+experts. ``gather`` loads byte by byte; ``chunked`` serves layouts whose output blocks each read a
+few aligned input chunks (Marlin's 16x64 tiles read 64 rows of 16 bytes): it loads the chunks
+whole and picks the block's bytes out of them in registers. Both write the torch path's bytes
+exactly (tests/unit/test_probed_layout.py compares them under Triton's interpreter).
 """
 
 from __future__ import annotations
@@ -28,8 +30,35 @@ def _gather(src, dst, index, N_IN, N_OUT, E, BLOCK: tl.constexpr):
         d += N_OUT
 
 
+@triton.jit
+def _chunked(src, dst, starts, local, N_IN, N_OUT, E, SLOTS: tl.constexpr, CHUNK: tl.constexpr):
+    """Output block b (SLOTS * CHUNK bytes): its SLOTS input chunks (byte offsets ``starts[b]``) loaded whole,
+    then dst[e, block byte i] = chunk bytes[local[b, i]], for every e."""
+    BLOCK: tl.constexpr = SLOTS * CHUNK
+    b = tl.program_id(0).to(tl.int64)
+    at = tl.multiple_of(tl.load(starts + b * SLOTS + tl.arange(0, SLOTS)), CHUNK)
+    offs = at[:, None] + tl.arange(0, CHUNK)[None, :]
+    pick = tl.load(local + b * BLOCK + tl.arange(0, BLOCK)).to(tl.int32)
+    out = b * BLOCK + tl.arange(0, BLOCK)
+    s = src
+    d = dst
+    for _ in range(E):
+        tl.store(d + out, tl.gather(tl.reshape(tl.load(s + offs), (BLOCK,)), pick, 0))
+        s += N_IN
+        d += N_OUT
+
+
 def gather(src: torch.Tensor, dst: torch.Tensor, index: torch.Tensor, *, block: int = 1024, num_warps: int = 4) -> None:
     """``src``: contiguous uint8 (E, n_in); ``dst``: contiguous uint8 (E, n_out); ``index``: int32/int64 (n_out,)."""
     e, n_in = src.shape
     n_out = dst.shape[1]
     _gather[(triton.cdiv(n_out, block),)](src, dst, index, n_in, n_out, e, BLOCK=block, num_warps=num_warps)
+
+
+def chunked(src: torch.Tensor, dst: torch.Tensor, starts: torch.Tensor, local: torch.Tensor, *, num_warps: int = 4) -> None:
+    """``starts``: int64 (blocks, slots) chunk offsets, multiples of the chunk size; ``local``: int16
+    (blocks, block bytes), each output byte's place among its block's chunk bytes (``ChunkTable``)."""
+    e, n_in = src.shape
+    blocks, slots = starts.shape
+    chunk = local.shape[1] // slots
+    _chunked[(blocks,)](src, dst, starts, local, n_in, dst.shape[1], e, SLOTS=slots, CHUNK=chunk, num_warps=num_warps)

@@ -19,7 +19,10 @@ Refusals are reasons (strings), never exceptions: the caller keeps the slow path
 Whatever the outcome, ``derive`` ends by processing the real weights, so the module serves
 them. ``ProbedLayout.apply`` then runs one gather per kernel tensor: a Triton kernel on CUDA
 that reads the per-expert index once for all experts, ``index_select`` elsewhere, writing into
-the kernel tensors' bytes in place (CUDA graphs hold their addresses).
+the kernel tensors' bytes in place (CUDA graphs hold their addresses). Where every 1 KB output
+block reads at most 64 aligned 16-byte input chunks (Marlin's tiles do), a second kernel loads
+those chunks whole instead of byte by byte (``ChunkTable``); ``derive`` times both once on the
+device and keeps the faster. Both write the same bytes, and the checks below run the one kept.
 
 What the callables must do (vLLM: ``process`` = ``_process_with_vllm(module, ·)``): ``process`` runs
 the full processing from checkpoint-format tensors and leaves the results in the tensors
@@ -40,8 +43,11 @@ on CPU, a Marlin-like repack and negative controls.
 
 from __future__ import annotations
 
+import logging
+import statistics
+import time
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -50,6 +56,10 @@ from mxrefit.devices import triton_kernels
 Tensors = dict[str, torch.Tensor]
 VALIDATION_SEED = 20260605
 CHECK_BYTES = 1 << 26  # scratch for checking a learned gather against the processing
+CHUNK_BLOCK, CHUNK_BYTES = 1024, 16  # the chunked kernel's output block and input chunk (Marlin: 16x64 tiles, 16-byte rows)
+CHUNKED_WINS = 0.95  # the chunked kernel is kept only if it took less than this share of the byte gather's time
+
+log = logging.getLogger("mxrefit.engine.probed_layout")
 
 
 class _Refusal(ValueError):
@@ -86,6 +96,43 @@ def gather_rows(src: torch.Tensor, dst: torch.Tensor, index: torch.Tensor) -> No
 
 
 @dataclass(frozen=True)
+class ChunkTable:
+    """A gather as whole input chunks per output block, for ``_gather_triton.chunked``: output block b
+    (``block`` bytes) reads the ``chunk``-byte aligned input chunks at byte offsets ``starts[b]`` and
+    takes output byte i from their concatenated bytes at ``local[b, i]``."""
+
+    starts: torch.Tensor  # int64 (blocks, block // chunk); unused slots repeat the block's first chunk
+    local: torch.Tensor  # int16 (blocks, block)
+
+    @classmethod
+    def of(cls, index: torch.Tensor, block: int = CHUNK_BLOCK, chunk: int = CHUNK_BYTES) -> ChunkTable | None:
+        """The table of ``index`` (one expert's gather), or None where an output block reads more than
+        ``block // chunk`` chunks or the output is not whole blocks."""
+        n = index.numel()
+        if n == 0 or n % block:
+            return None
+        slots = block // chunk
+        idx = index.to(torch.int64).view(-1, block)
+        ids = idx // chunk
+        order = ids.argsort(dim=1, stable=True)
+        ranked = ids.gather(1, order)
+        first = torch.ones_like(ranked, dtype=torch.bool)
+        first[:, 1:] = ranked[:, 1:] != ranked[:, :-1]
+        slot_ranked = first.to(torch.int64).cumsum(1) - 1  # the chunk's slot among the block's distinct chunks
+        if int(slot_ranked[:, -1].max()) >= slots:
+            return None
+        slot = torch.empty_like(slot_ranked).scatter_(1, order, slot_ranked)
+        starts = ranked[:, :1].expand(-1, slots).clone()
+        starts.scatter_(1, slot_ranked, ranked)
+        local = slot * chunk + idx % chunk
+        return cls((starts * chunk).contiguous(), local.to(torch.int16).contiguous())
+
+    @property
+    def nbytes(self) -> int:
+        return self.starts.numel() * self.starts.element_size() + self.local.numel() * self.local.element_size()
+
+
+@dataclass(frozen=True)
 class ByteGather:
     """``kernel[e].view(uint8)[j] = staged[source][e].view(uint8)[index[j]]`` for every expert e.
 
@@ -97,16 +144,26 @@ class ByteGather:
     source_bytes: int  # bytes of one expert of ``source``: a staged tensor of another size is refused
     index: torch.Tensor  # int32 (int64 past 2 GiB per expert), on the device, one entry per output byte of ONE expert
     identity: bool = False  # then ``index`` is empty and the output has ``source_bytes`` bytes per expert
+    chunks: ChunkTable | None = None  # set where the chunked kernel runs this gather (``_with_faster_kernel``)
 
     @property
     def out_bytes(self) -> int:
         """Bytes of one expert of the kernel tensor."""
         return self.source_bytes if self.identity else self.index.numel()
 
+    @property
+    def kernel(self) -> str:
+        """How ``rows`` moves the bytes: ``copy``, ``chunked`` or ``gather``."""
+        return "copy" if self.identity else "chunked" if self.chunks is not None else "gather"
+
     def rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """The gather on (E', source_bytes) uint8 ``src`` rows into (E', out_bytes) ``dst`` rows."""
         if self.identity:
             dst.copy_(src)
+        elif self.chunks is not None:
+            from mxrefit.engine import _gather_triton
+
+            _gather_triton.chunked(src, dst, self.chunks.starts, self.chunks.local)
         else:
             gather_rows(src, dst, self.index)
 
@@ -133,8 +190,52 @@ class ProbedLayout:
 
     @property
     def index_bytes(self) -> int:
-        """Device memory the indices hold."""
-        return sum(g.index.numel() * g.index.element_size() for g in self.gathers.values())
+        """Device memory the indices (and chunk tables) hold."""
+        return sum(
+            g.index.numel() * g.index.element_size() + (g.chunks.nbytes if g.chunks is not None else 0)
+            for g in self.gathers.values()
+        )
+
+    @property
+    def kernels(self) -> dict[str, str]:
+        """Per kernel tensor, how its bytes are moved (``ByteGather.kernel``)."""
+        return {attr: g.kernel for attr, g in self.gathers.items()}
+
+
+def _seconds(fn: Callable[[], None], device: torch.device, reps: int = 3) -> float:
+    """Median time of ``fn`` after a warm-up call (which also compiles a Triton kernel)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _with_faster_kernel(g: ByteGather, src: torch.Tensor, dst: torch.Tensor, what: str) -> ByteGather:
+    """``g`` on the chunked kernel where its layout allows it and that kernel ran faster on these
+    (E, bytes) rows, else ``g``: the byte gather's loads are byte by byte, which is slow where each
+    warp's bytes come from many rows (Marlin), and the chunked one's register shuffle may or may not
+    beat that on a given GPU and Triton, so it is timed rather than assumed."""
+    if g.identity or triton_kernels("mxrefit.engine._gather_triton", dst.device) is None:
+        return g
+    table = ChunkTable.of(g.index)
+    if table is None:
+        return g
+    chunked = replace(g, chunks=table)
+    try:
+        gather_s = _seconds(lambda: g.rows(src, dst), dst.device)
+        chunked_s = _seconds(lambda: chunked.rows(src, dst), dst.device)
+    except Exception as exc:  # a Triton without tl.gather, say: the byte gather serves
+        log.info("%s: the chunked gather did not run (%r); the byte gather serves", what, exc)
+        return g
+    log.info("%s: byte gather %.3f ms, chunked %.3f ms", what, gather_s * 1e3, chunked_s * 1e3)
+    return chunked if chunked_s < CHUNKED_WINS * gather_s else g
 
 
 class _Watch:
@@ -252,6 +353,10 @@ def _learn(
         dtype = torch.int32 if sizes[first] < 2**31 else torch.int64
         gathers[attr] = ByteGather(names[first], experts, sizes[first], local.to(dtype))
     del acc
+    kernel = _nonempty(read_kernel())  # holds the last probe's result: free to overwrite, the probes below rewrite it
+    for attr, bg in gathers.items():
+        src_rows = _expert_rows(staged[bg.source], experts, bg.source)
+        gathers[attr] = _with_faster_kernel(bg, src_rows, _expert_rows(kernel[attr], experts, attr), attr)
     layout = ProbedLayout(gathers)
     g = torch.Generator(device=device).manual_seed(VALIDATION_SEED)
     noise = torch.randint(0, 256, (experts, total), generator=g, dtype=torch.uint8, device=device)

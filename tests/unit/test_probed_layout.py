@@ -23,7 +23,7 @@ import torch
 
 from mxrefit.devices import triton_kernels
 from mxrefit.engine import probed_layout
-from mxrefit.engine.probed_layout import LayoutCache, ProbedLayout, derive, tensor_signature
+from mxrefit.engine.probed_layout import ChunkTable, LayoutCache, ProbedLayout, derive, tensor_signature
 from mxrefit.integrations.vllm.trtllm import SCALE_BLOCK, MoeLayout
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
@@ -361,6 +361,36 @@ def test_derive_refuses_staged_tensors_without_the_expert_dimension():
     assert isinstance(reason, str) and "bias" in reason and module.holds(staged)
 
 
+def marlin_8bit_index(n: int, k: int) -> torch.Tensor:
+    """Where each byte of vLLM's Marlin 8-bit repack of a (n, k) fp8 weight comes from, written from its
+    CUDA kernel's description: 1 KB per 16x64 (k x n) tile, tiles k-major; in a tile, word
+    ``(c * 4 + r) * 8 + 2 * w + j`` holds column ``w * 16 + j * 8 + c`` at k = 2r, 2r+8, 2r+1, 2r+9."""
+    kt, nt, c, r, w, j, lo, hi = torch.meshgrid(*(torch.arange(x) for x in (k // 16, n // 64, 8, 4, 4, 2, 2, 2)), indexing="ij")
+    return ((nt * 64 + w * 16 + j * 8 + c) * k + kt * 16 + hi * 8 + r * 2 + lo).reshape(-1)
+
+
+def rebuilt(table: ChunkTable, chunk: int = 16) -> torch.Tensor:
+    """The byte index a chunk table encodes."""
+    return (table.starts.gather(1, table.local.long() // chunk) + table.local.long() % chunk).reshape(-1)
+
+
+def test_chunk_table_encodes_marlin_tiles_and_refuses_scattered_layouts():
+    index = marlin_8bit_index(128, 256)
+    table = ChunkTable.of(index.to(torch.int32))
+    assert table is not None and table.starts.shape == (32, 64) and table.local.dtype == torch.int16
+    assert torch.equal(rebuilt(table), index)
+    assert bool((table.starts % 16 == 0).all())
+    staged = marlin_staged(1)
+    module, layout = learn(marlin_like, staged, experts=1)
+    assert isinstance(layout, ProbedLayout)
+    learned = layout.gathers["weight"].index
+    assert torch.equal(rebuilt(ChunkTable.of(learned)), learned.long())  # the stand-in's tiles qualify too
+    assert layout.kernels == {"weight": "gather", "weight_scale": "gather"}  # no Triton here: nothing timed
+    # negative controls: a scattered permutation reads 256 chunks per block; a ragged output is not whole blocks
+    assert ChunkTable.of(torch.randperm(4096, generator=torch.Generator().manual_seed(0))) is None
+    assert ChunkTable.of(index[:1000]) is None
+
+
 # ---- the Triton gather under the interpreter -------------------------------------------------------------------------
 def test_triton_gather_tests_pass_under_the_interpreter():
     if INTERPRETING:
@@ -376,7 +406,7 @@ def test_triton_gather_tests_pass_under_the_interpreter():
         cwd=os.path.dirname(__file__),
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert "5 passed" in run.stdout, run.stdout[-2000:]
+    assert "8 passed" in run.stdout, run.stdout[-2000:]
 
 
 @inside
@@ -403,3 +433,31 @@ def test_interpreted_apply_of_a_learned_layout():
     fresh = marlin_staged(3, seed=5)
     layout.apply(fresh, module.kernel())
     assert module.holds(fresh)
+
+
+@inside
+@pytest.mark.parametrize("experts", [1, 3])
+def test_interpreted_chunked_gather_equals_index_select(experts):
+    from mxrefit.engine import _gather_triton
+
+    index = marlin_8bit_index(128, 128)
+    table = ChunkTable.of(index)
+    assert table is not None
+    src = torch.randint(0, 256, (experts, index.numel()), generator=torch.Generator().manual_seed(experts), dtype=U8)
+    got = torch.zeros_like(src)
+    _gather_triton.chunked(src, got, table.starts, table.local)
+    assert torch.equal(got, torch.index_select(src, 1, index))
+
+
+@inside
+def test_interpreted_learning_times_both_kernels_and_keeps_the_bytes(monkeypatch):
+    """Which kernel is kept follows the timing (forced both ways here); either writes the processing's bytes."""
+    for wins, kept in ((float("inf"), "chunked"), (0.0, "gather")):
+        monkeypatch.setattr(probed_layout, "CHUNKED_WINS", wins)
+        staged = marlin_staged(3)
+        module, layout = learn(marlin_like, staged, experts=3)
+        assert isinstance(layout, ProbedLayout), layout
+        assert layout.kernels["weight"] == kept
+        fresh = marlin_staged(3, seed=9)
+        layout.apply(fresh, module.kernel())
+        assert module.holds(fresh)

@@ -832,8 +832,9 @@ class VllmEngine(Engine):
                 self.learned_layouts[what] = f"refused: {result}"
                 log.warning("mxrefit: no learned layout for %s (%s): vLLM's processing runs every refit", what, result)
             else:
-                self.learned_layouts[what] = f"learned ({result.index_bytes / 2**20:.1f} MiB of index)"
-                log.info("mxrefit: learned the layout of %s (%.1f MiB of index)", what, result.index_bytes / 2**20)
+                kernels = ", ".join(f"{a} {k}" for a, k in result.kernels.items())
+                self.learned_layouts[what] = f"learned ({result.index_bytes / 2**20:.1f} MiB of index; {kernels})"
+                log.info("mxrefit: learned the layout of %s (%.1f MiB of index; %s)", what, result.index_bytes / 2**20, kernels)
 
     def _trtllm_fast_path(self, module: torch.nn.Module, staged: dict[str, torch.Tensor], names: dict[str, str]) -> None:
         """The layer's bytes into FlashInfer's TRT-LLM layout: a plain copy where the trainer wrote that
