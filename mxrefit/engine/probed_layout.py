@@ -202,19 +202,23 @@ class ProbedLayout:
         return {attr: g.kernel for attr, g in self.gathers.items()}
 
 
-def _seconds(fn: Callable[[], None], device: torch.device, reps: int = 3) -> float:
-    """Median time of ``fn`` after a warm-up call (which also compiles a Triton kernel)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t = time.perf_counter()
+def _median_seconds(fns: list[Callable[[], None]], device: torch.device, reps: int = 5) -> list[float]:
+    """Median time of each of ``fns``, after a warm-up call of each (which also compiles a Triton kernel).
+    The calls take turns, so a GPU shared with another process (a trainer packing the next bucket)
+    slows each about alike."""
+    for fn in fns:
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, spent in zip(fns, times):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            spent.append(time.perf_counter() - t)
+    return [statistics.median(spent) for spent in times]
 
 
 def _with_faster_kernel(g: ByteGather, src: torch.Tensor, dst: torch.Tensor, what: str) -> ByteGather:
@@ -229,8 +233,7 @@ def _with_faster_kernel(g: ByteGather, src: torch.Tensor, dst: torch.Tensor, wha
         return g
     chunked = replace(g, chunks=table)
     try:
-        gather_s = _seconds(lambda: g.rows(src, dst), dst.device)
-        chunked_s = _seconds(lambda: chunked.rows(src, dst), dst.device)
+        gather_s, chunked_s = _median_seconds([lambda: g.rows(src, dst), lambda: chunked.rows(src, dst)], dst.device)
     except Exception as exc:  # a Triton without tl.gather, say: the byte gather serves
         log.info("%s: the chunked gather did not run (%r); the byte gather serves", what, exc)
         return g
