@@ -201,7 +201,7 @@ def variants(g: ByteGather, src: torch.Tensor, dst: torch.Tensor, want: torch.Te
     triton, scatter = _triton_variants()
     e, n_in = src.shape
     for block, chunk in ((1024, 16), (2048, 16), (1024, 32)):
-        table = ChunkTable.of(g.index, block, chunk)
+        table = ChunkTable.of(g.index, src.shape[1], block, chunk)
         if table is None:
             rows[f"chunked_b{block}_c{chunk}"] = {"refused": "an output block reads more chunks than it has bytes for"}
             continue

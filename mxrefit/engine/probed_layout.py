@@ -105,11 +105,12 @@ class ChunkTable:
     local: torch.Tensor  # int16 (blocks, block)
 
     @classmethod
-    def of(cls, index: torch.Tensor, block: int = CHUNK_BLOCK, chunk: int = CHUNK_BYTES) -> ChunkTable | None:
-        """The table of ``index`` (one expert's gather), or None where an output block reads more than
-        ``block // chunk`` chunks or the output is not whole blocks."""
+    def of(cls, index: torch.Tensor, source_bytes: int, block: int = CHUNK_BLOCK, chunk: int = CHUNK_BYTES) -> ChunkTable | None:
+        """The table of ``index`` (one expert's gather from ``source_bytes``), or None where an output
+        block reads more than ``block // chunk`` chunks, or the output is not whole blocks, or the
+        input not whole chunks (the last chunk would be read past the input's end)."""
         n = index.numel()
-        if n == 0 or n % block:
+        if n == 0 or n % block or source_bytes % chunk:
             return None
         slots = block // chunk
         idx = index.to(torch.int64).view(-1, block)
@@ -228,7 +229,7 @@ def _with_faster_kernel(g: ByteGather, src: torch.Tensor, dst: torch.Tensor, wha
     beat that on a given GPU and Triton, so it is timed rather than assumed."""
     if g.identity or triton_kernels("mxrefit.engine._gather_triton", dst.device) is None:
         return g
-    table = ChunkTable.of(g.index)
+    table = ChunkTable.of(g.index, g.source_bytes)
     if table is None:
         return g
     chunked = replace(g, chunks=table)

@@ -376,7 +376,7 @@ def rebuilt(table: ChunkTable, chunk: int = 16) -> torch.Tensor:
 
 def test_chunk_table_encodes_marlin_tiles_and_refuses_scattered_layouts():
     index = marlin_8bit_index(128, 256)
-    table = ChunkTable.of(index.to(torch.int32))
+    table = ChunkTable.of(index.to(torch.int32), 128 * 256)
     assert table is not None and table.starts.shape == (32, 64) and table.local.dtype == torch.int16
     assert torch.equal(rebuilt(table), index)
     assert bool((table.starts % 16 == 0).all())
@@ -384,11 +384,15 @@ def test_chunk_table_encodes_marlin_tiles_and_refuses_scattered_layouts():
     module, layout = learn(marlin_like, staged, experts=1)
     assert isinstance(layout, ProbedLayout)
     learned = layout.gathers["weight"].index
-    assert torch.equal(rebuilt(ChunkTable.of(learned)), learned.long())  # the stand-in's tiles qualify too
+    assert torch.equal(
+        rebuilt(ChunkTable.of(learned, layout.gathers["weight"].source_bytes)), learned.long()
+    )  # the stand-in's tiles qualify too
     assert layout.kernels == {"weight": "gather", "weight_scale": "gather"}  # no Triton here: nothing timed
-    # negative controls: a scattered permutation reads 256 chunks per block; a ragged output is not whole blocks
-    assert ChunkTable.of(torch.randperm(4096, generator=torch.Generator().manual_seed(0))) is None
-    assert ChunkTable.of(index[:1000]) is None
+    # negative controls: a scattered permutation reads 256 chunks per block; a ragged output is not whole
+    # blocks; an input of 8 bytes more than whole chunks would have its last chunk read past its end
+    assert ChunkTable.of(torch.randperm(4096, generator=torch.Generator().manual_seed(0)), 4096) is None
+    assert ChunkTable.of(index[:1000], 128 * 256) is None
+    assert ChunkTable.of(index, 128 * 256 + 8) is None
 
 
 # ---- the Triton gather under the interpreter -------------------------------------------------------------------------
@@ -441,7 +445,7 @@ def test_interpreted_chunked_gather_equals_index_select(experts):
     from mxrefit.engine import _gather_triton
 
     index = marlin_8bit_index(128, 128)
-    table = ChunkTable.of(index)
+    table = ChunkTable.of(index, index.numel())
     assert table is not None
     src = torch.randint(0, 256, (experts, index.numel()), generator=torch.Generator().manual_seed(experts), dtype=U8)
     got = torch.zeros_like(src)
