@@ -22,6 +22,7 @@ Ends with the estimate for a whole 48-layer refit, to set beside the headline's 
 
     PYTHONPATH=/tmp/site:$PWD python3 scripts/gpu_gather_profile.py --json $OUT/gather.json     # vLLM on the path
     python3 scripts/gpu_gather_profile.py --smoke --json /tmp/gather.json   # CPU: a stand-in layout, tiny shapes
+    TRITON_INTERPRET=1 python3 scripts/gpu_gather_profile.py --smoke ...    # the same with every kernel variant
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from collections.abc import Callable
 
 import torch
 
+from mxrefit.devices import triton_runs_on
 from mxrefit.engine.probed_layout import ByteGather, ChunkTable, derive
 
 Tensors = dict[str, torch.Tensor]
@@ -41,11 +43,13 @@ E, HIDDEN, MOE_I, QKV_N, O_K = 128, 2048, 768, (32 + 2 * 4) * 128, 32 * 128
 
 
 def timed(fn: Callable[[], None], dev: torch.device, reps: int = 7) -> float:
-    """Median seconds of ``reps`` calls after a warm-up (CUDA events on the GPU, the wall clock on CPU)."""
+    """Median seconds of ``reps`` calls after a warm-up (CUDA events on the GPU, the wall clock on CPU,
+    where one call is enough: the smoke run checks bytes, not speed)."""
     if dev.type == "cuda":
         from cuda_timing import timed as cuda_timed
 
         return cuda_timed(fn, reps)
+    reps = 1
     fn()
     times = []
     for _ in range(reps):
@@ -96,6 +100,11 @@ def standin(t: Tensors) -> Tensors:
     return out
 
 
+def standin_words(t: Tensors) -> Tensors:
+    """A transpose of 4-byte words, for the CPU smoke run: aligned runs of 4 bytes (the ``wide4`` row)."""
+    return {name: x.view(torch.uint8).view(torch.int32).transpose(-2, -1).contiguous() for name, x in t.items()}
+
+
 def kinds(smoke: bool, dev: torch.device) -> dict[str, tuple[Tensors, int, Callable[[Tensors], Tensors]]]:
     """Per module kind: checkpoint-format tensors (random bytes), experts, processing."""
 
@@ -106,7 +115,11 @@ def kinds(smoke: bool, dev: torch.device) -> dict[str, tuple[Tensors, int, Calla
         return {"weight": w, "weight_scale": s}
 
     if smoke:
-        return {"dense": (linear(64, 128), 1, standin), "moe_w13": (linear(96, 128, 4), 4, standin)}
+        return {
+            "dense": (linear(64, 128), 1, standin),
+            "moe_w13": (linear(96, 128, 4), 4, standin),
+            "words": (linear(64, 256, 2), 2, standin_words),
+        }
     moe = {
         **{f"w13_{n}": t for n, t in linear(2 * MOE_I, HIDDEN, E).items()},
         **{f"w2_{n}": t for n, t in linear(HIDDEN, MOE_I, E).items()},
@@ -185,7 +198,7 @@ def variants(g: ByteGather, src: torch.Tensor, dst: torch.Tensor, want: torch.Te
     s = timed(lambda: dst.copy_(copy_src), dev)
     rows["copy"] = {"s": s, "GBps": 2 * dst.numel() / s / 1e9}
     row("library", lambda: g.rows(src, dst))
-    if dev.type != "cuda" or g.identity:
+    if g.identity or not triton_runs_on(dev):  # the kernels run on CUDA, and on CPU under Triton's interpreter
         return rows
     from mxrefit.engine import _gather_triton as gk
 

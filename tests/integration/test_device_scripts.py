@@ -55,10 +55,21 @@ def test_fp8_block_kernel_script(tmp_path):
     assert differing and all(n == 0 for n in differing.values()), differing
 
 
-def test_gather_profile_script(tmp_path):
+@pytest.mark.parametrize("interpret", [False, True])
+def test_gather_profile_script(tmp_path, interpret, monkeypatch):
+    """The torch path; then, under Triton's interpreter, every kernel variant the device call times."""
+    if interpret:
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
     out = tmp_path / "gather.json"
     _run(["scripts/gpu_gather_profile.py", "--smoke", "--json", str(out)], tmp_path)
     report = json.loads(out.read_text())
     tensors = [t for kind in report["kinds"].values() for t in kind["tensors"].values()]
-    assert tensors and not any(t["identity"] for t in tensors)  # the stand-in permutes: the gather is exercised
+    assert tensors and not any(t["identity"] for t in tensors)  # the stand-ins permute: the gather is exercised
     assert report["all_equal"] is True
+    rows = {name for t in tensors for name, row in t["rows"].items() if "bytes_equal" in row}
+    if interpret:
+        for variant in ("gather_b512_w4", "chunked_b1024_c16_w4", "scatter_b1024_w4", "wide4"):
+            assert variant in rows, (variant, sorted(rows))
+    else:
+        assert rows == {"library"}
