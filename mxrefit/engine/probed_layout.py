@@ -51,7 +51,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from mxrefit.devices import triton_kernels
+from mxrefit.devices import sync_current, triton_kernels
 
 Tensors = dict[str, torch.Tensor]
 VALIDATION_SEED = 20260605
@@ -212,12 +212,10 @@ def _median_seconds(fns: list[Callable[[], None]], device: torch.device, reps: i
     times: list[list[float]] = [[] for _ in fns]
     for _ in range(reps):
         for fn, spent in zip(fns, times):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            sync_current(device)
             t = time.perf_counter()
             fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            sync_current(device)
             spent.append(time.perf_counter() - t)
     return [statistics.median(spent) for spent in times]
 
