@@ -182,8 +182,11 @@ def _triton_variants():
     return triton, scatter
 
 
-def variants(g: ByteGather, src: torch.Tensor, dst: torch.Tensor, want: torch.Tensor, dev: torch.device) -> dict:
-    """Every variant of one gather ((E, n_in) ``src`` into (E, n_out) ``dst``), timed and checked against ``want``."""
+def variants(
+    g: ByteGather, src: torch.Tensor, dst: torch.Tensor, want: torch.Tensor, dev: torch.device, permutation: bool
+) -> dict:
+    """Every variant of one gather ((E, n_in) ``src`` into (E, n_out) ``dst``), timed and checked against ``want``;
+    the scatter only where the index is a ``permutation``."""
     rows: dict = {}
     moved = src.numel() + dst.numel() if g.identity else 2 * dst.numel()
 
@@ -202,6 +205,7 @@ def variants(g: ByteGather, src: torch.Tensor, dst: torch.Tensor, want: torch.Te
         return rows
     from mxrefit.engine import _gather_triton as gk
 
+    e, n_in = src.shape
     for block in (512, 1024, 2048, 4096):
         for warps in (4, 8):
             row(f"gather_b{block}_w{warps}", lambda: gk.gather(src, dst, g.index, block=block, num_warps=warps))
@@ -212,9 +216,8 @@ def variants(g: ByteGather, src: torch.Tensor, dst: torch.Tensor, want: torch.Te
         ws, wd = src.view(word), dst.view(word)
         row(f"wide{wide}", lambda: torch.index_select(ws, 1, windex, out=wd))
     triton, scatter = _triton_variants()
-    e, n_in = src.shape
     for block, chunk in ((1024, 16), (2048, 16), (1024, 32)):
-        table = ChunkTable.of(g.index, src.shape[1], block, chunk)
+        table = ChunkTable.of(g.index, n_in, block, chunk)
         if table is None:
             rows[f"chunked_b{block}_c{chunk}"] = {"refused": "an output block reads more chunks than it has bytes for"}
             continue
@@ -223,7 +226,7 @@ def variants(g: ByteGather, src: torch.Tensor, dst: torch.Tensor, want: torch.Te
                 f"chunked_b{block}_c{chunk}_w{warps}",
                 lambda: gk.chunked(src, dst, table.starts, table.local, num_warps=warps),
             )
-    if shape_of(g.index)["is_permutation"]:
+    if permutation:
         inverse = torch.empty_like(g.index)
         inverse[g.index.long()] = torch.arange(g.index.numel(), device=dev, dtype=g.index.dtype)
         for block in (1024, 4096):
@@ -262,7 +265,7 @@ def profile_kind(name: str, staged: Tensors, experts: int, process: Callable[[Te
         dst = torch.empty(experts, g.out_bytes, dtype=torch.uint8, device=dev)
         ref = want[attr].reshape(-1).view(torch.uint8).view(experts, -1)
         info = {"identity": g.identity, "kernel": g.kernel, **({} if g.identity else shape_of(g.index))}
-        info["rows"] = variants(g, src, dst, ref, dev)
+        info["rows"] = variants(g, src, dst, ref, dev, bool(info.get("is_permutation")))
         out["tensors"][attr] = info
     print(
         f"{name}: "
