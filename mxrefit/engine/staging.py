@@ -11,9 +11,10 @@ A *unit* is what gets processed at once (one layer module): a few checkpoint-for
 parameters and a ``process`` callable that reads them and writes the kernel tensors.
 ``place(plan)`` gives every unit a region of one pool such that two units share bytes only
 if one is processed before the trainer can start writing the other. The trainer writes
-bucket *i* once the engine has processed bucket *i - slots* (the protocol's window, the
-same for buffers and direct writes), so a unit written in buckets [first, last] holds its
-region from ``first`` until ``last + slots - 1`` in the trainer's bucket clock.
+bucket *i* once the engine has processed bucket *i - window* (``RefitPlan.window``: the
+slots, plus one for direct writes that finish each bucket one behind), so a unit written in
+buckets [first, last] holds its region from ``first`` until ``last + window - 1`` in the
+trainer's bucket clock.
 ``after_bucket(i)`` processes the units whose last bucket is *i*. With ``deferred=True``
 (transactions) nothing is processed before ``process_all``, so every unit is live at once.
 """
@@ -107,7 +108,7 @@ class StagingPool:
         intervals, sizes = [], []
         for u, unit in enumerate(self.units):
             first, last = min(touched[u]), max(touched[u])
-            end = last_bucket + plan.slots if self.deferred else last + plan.slots - 1
+            end = last_bucket + plan.window if self.deferred else last + plan.window - 1
             intervals.append((first, end))
             sizes.append(sum(align(self.specs[p].nbytes) for p in unit.params))
         offsets, total = assign_regions(sizes, intervals)

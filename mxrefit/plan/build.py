@@ -80,6 +80,12 @@ class Bucket:
     runs: list[Run] = field(default_factory=list)
 
 
+WRITE_AHEAD = 1
+"""Buckets a trainer writing straight from a mapping may be ahead of its ``slots`` window: its
+"ready" messages go out one bucket behind (``Sender.refit``), so it starts bucket *i* once bucket
+*i - slots - 1* was applied. Both sides read the window from ``RefitPlan.window``."""
+
+
 @dataclass
 class RefitPlan:
     sources: list[SourceSpec]
@@ -88,6 +94,15 @@ class RefitPlan:
     bucket_bytes: int
     slots: int
     digest: str
+
+    @property
+    def window(self) -> int:
+        """The most buckets the trainer may have written past the last one the engine applied.
+
+        Why it matters: whatever the engine keeps per bucket (a staging region awaiting its layer's
+        processing) must outlive it, or the trainer writes the next layer over bytes not yet read.
+        """
+        return self.slots + WRITE_AHEAD
 
     @property
     def total_bytes(self) -> int:

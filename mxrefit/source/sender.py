@@ -16,7 +16,7 @@ the encoders screen in the same pass instead), then per bucket one grouped
 launch per format + a "ready" message; the engine answers "applied" once the bucket's bytes
 are in place (and processed, for engines that post-process), and bucket *i* is encoded only
 after bucket *i - slots* was applied (direct writes from a mapping: *i - slots - 1*, since their
-"ready" messages go out one bucket behind; see ``refit``).
+"ready" messages go out one bucket behind; ``RefitPlan.window`` states it for both sides).
 
 ``refit`` also takes a stream of ``(name, tensor)`` pairs in the plan's order (e.g. FSDP2
 ``full_tensor()`` per parameter): tensors are then pulled bucket by bucket and dropped after
@@ -468,15 +468,16 @@ class Sender:
             # direct writes from a mapping finish each bucket one behind: bucket i's ready message waits
             # on its own kernels only, while bucket i + 1's are already queued, so the device does not idle
             # between buckets for the host's turn-around (on the H200 on 2026-12-05, with a host sync per
-            # bucket, packing ran at ~55% of the copy rate against 84-97% for the kernels alone). The engine
-            # has no more buckets in flight than before (the wait below lags one). A stream finishes each
+            # bucket, packing ran at ~55% of the copy rate against 84-97% for the kernels alone). The wait below
+            # lags one too (``plan.window``), and the engine's staging keeps a layer's region that one
+            # bucket longer, since the trainer writes that far ahead of "applied". A stream finishes each
             # bucket at once (it holds one bucket's tensors at a time); so do slots, where bucket i + 1's
             # slot is free only once bucket i + 1 - slots was applied.
             behind = stream is None and path.buffers is None
-            lag = 1 if behind else 0
+            window = plan.window if behind else plan.slots
             pending: Bucket | None = None
             for b in plan.buckets:
-                while acked < b.index - plan.slots + 1 - lag:
+                while acked < b.index - window + 1:
                     acked = self._await_applied(acked, version, report)
                 t = time.perf_counter()
                 path.acquire(b.slot)

@@ -6,6 +6,8 @@ import gc
 import logging
 import os
 import threading
+import time
+from dataclasses import replace
 
 import torch
 
@@ -152,6 +154,14 @@ def faulty_trainer(
     os._exit(0)
 
 
+def _slowed(process, delay_s: float):
+    def slow(tensors):
+        time.sleep(delay_s)
+        process(tensors)
+
+    return slow
+
+
 def serve_layout(
     conn,
     shape,
@@ -161,10 +171,13 @@ def serve_layout(
     device: str = "cpu",
     transactional: bool = False,
     direct_layout: bool = True,
+    process_delay_s: float = 0.0,
 ) -> None:
     """An engine process holding vLLM's MXFP8 layout of ``shape`` in exportable memory
     (direct writes), optionally in the TRT-LLM kernel layout: written in place by the trainer
-    where the sources allow (``direct_layout``), post-processed from staging elsewhere."""
+    where the sources allow (``direct_layout``), post-processed from staging elsewhere.
+    ``process_delay_s`` makes each layer's processing that much slower (a busy device), so a
+    trainer writing over staged bytes not yet processed shows up on every run, not by chance."""
     from mxrefit.engine.layout import LayoutEngine
     from mxrefit.engine.receiver import Receiver
     from mxrefit.integrations.vllm.layout import vllm_destinations, vllm_params
@@ -180,7 +193,8 @@ def serve_layout(
     dests = vllm_destinations(shape, mxfp8=True, experts=experts)
     if post:
         k = vllm_mxfp8_kernel_tables(shape, params, dests, dev, direct=direct_layout)
-        engine = LayoutEngine(k.params, k.destinations, dev, units=k.units, kernel=k.kernel)
+        units = [replace(u, process=_slowed(u.process, process_delay_s)) for u in k.units] if process_delay_s else k.units
+        engine = LayoutEngine(k.params, k.destinations, dev, units=units, kernel=k.kernel)
     else:
         engine = LayoutEngine(params, dests, dev)
     receiver = Receiver(engine, timeout_s=timeout_s, transactional=transactional)

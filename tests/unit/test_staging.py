@@ -102,3 +102,41 @@ def test_layout_engine_with_trtllm_units_places_its_pool_per_plan():
     staged = [n for n in params if engine.staging.staged(n)]
     assert staged and all(engine.storage(n).numel() == params[n].nbytes for n in staged)
     assert set(kernel) == set(staged)
+
+
+def _clashes(plan, pool, units, ahead: int) -> list[tuple[int, str, str]]:
+    """Replay a trainer that writes bucket ``j`` once bucket ``j - ahead`` was processed: every
+    (bucket, unit written, unit still awaiting processing) pair whose staged bytes overlap."""
+    span = {
+        p: (pool.storage(p).data_ptr(), pool.storage(p).data_ptr() + pool.storage(p).numel()) for u in units for p in u.params
+    }
+    unit_of = {p: u.name for u in units for p in u.params}
+    buckets_of: dict[str, list[int]] = {}
+    for b in plan.buckets:
+        for r in b.runs:
+            if r.param in unit_of:
+                buckets_of.setdefault(unit_of[r.param], []).append(b.index)
+    clashes = []
+    for b in plan.buckets:
+        processed = b.index - ahead  # the engine processed buckets <= this one
+        written = {r.param for r in b.runs if r.param in unit_of}
+        waiting = [u for u in units if min(buckets_of[u.name]) < b.index and max(buckets_of[u.name]) > processed]
+        for p in written:
+            for u in waiting:
+                if u.name != unit_of[p] and any(span[p][0] < span[q][1] and span[q][0] < span[p][1] for q in u.params):
+                    clashes.append((b.index, unit_of[p], u.name))
+    return clashes
+
+
+def test_staged_regions_outlive_the_trainers_write_window():
+    """The trainer writing from a mapping starts bucket i once bucket i - slots - 1 was applied
+    (``plan.window``): no layer it writes may land on a layer still waiting to be processed.
+    Negative control: a trainer one bucket further ahead does clash on this plan, so the replay can
+    see a clash (the 2026-12-05 CI failure: staging kept regions for ``slots`` buckets only)."""
+    shape, params, dests, plan = _layout_plan(layers=12, bucket_bytes=96 << 10)
+    k = vllm_mxfp8_kernel_tables(shape, params, dests, torch.device("cpu"), direct=False)
+    pool = StagingPool(k.params, k.units, torch.device("cpu"))
+    pool.place(plan)
+    assert plan.window == plan.slots + 1
+    assert _clashes(plan, pool, k.units, ahead=plan.window) == []
+    assert _clashes(plan, pool, k.units, ahead=plan.window + 1) != []
