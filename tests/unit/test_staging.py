@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -128,15 +129,16 @@ def _clashes(plan, pool, units, ahead: int) -> list[tuple[int, str, str]]:
     return clashes
 
 
-def test_staged_regions_outlive_the_trainers_write_window():
+@pytest.mark.parametrize("bucket_kb,slots", [(64, 2), (96, 2), (96, 3), (256, 2), (1024, 2)])
+def test_staged_regions_outlive_the_trainers_write_window(bucket_kb, slots):
     """The trainer writing from a mapping starts bucket i once bucket i - slots - 1 was applied
     (``plan.window``): no layer it writes may land on a layer still waiting to be processed.
-    Negative control: a trainer one bucket further ahead does clash on this plan, so the replay can
-    see a clash (the 2026-12-05 CI failure: staging kept regions for ``slots`` buckets only)."""
-    shape, params, dests, plan = _layout_plan(layers=12, bucket_bytes=96 << 10)
+    Negative control: a trainer one bucket further ahead does clash on these plans, so the replay
+    can see a clash (the 2026-12-05 CI failure: staging kept regions for ``slots`` buckets only)."""
+    shape, params, dests, plan = _layout_plan(layers=12, bucket_bytes=bucket_kb << 10, slots=slots)
     k = vllm_mxfp8_kernel_tables(shape, params, dests, torch.device("cpu"), direct=False)
     pool = StagingPool(k.params, k.units, torch.device("cpu"))
     pool.place(plan)
-    assert plan.window == plan.slots + 1
+    assert plan.window == slots + 1
     assert _clashes(plan, pool, k.units, ahead=plan.window) == []
     assert _clashes(plan, pool, k.units, ahead=plan.window + 1) != []
