@@ -8,6 +8,8 @@ engine does), then times, per kind and against a copy of the same bytes:
 - ``library``: ``ByteGather.rows`` with the kernel ``derive`` kept (``kernel``: the byte gather or the
   chunked one, whichever ran faster when learned), what a refit runs;
 - ``gather_b*_w*``: the library's byte gather kernel at other block sizes and warp counts;
+  ``gather_b1024_w4_p*``: with the experts split for another number of programs (``p1``: one
+  program per output block walking every expert, the kernel before 2026-12-06);
 - ``scatter_b*_w*``: the same permutation driven from the input side (loads contiguous, byte stores
   scattered), where the index is a permutation;
 - ``wide*``: the gather over 2-, 4- or 8-byte words, where the index moves aligned runs that long;
@@ -209,6 +211,8 @@ def variants(
     for block in (512, 1024, 2048, 4096):
         for warps in (4, 8):
             row(f"gather_b{block}_w{warps}", lambda: gk.gather(src, dst, g.index, block=block, num_warps=warps))
+    for programs in (1, 512, 8192):  # 1: one program per block walking every expert (before 2026-12-06)
+        row(f"gather_b1024_w4_p{programs}", lambda: gk.gather(src, dst, g.index, programs=programs))
     wide = granule(g.index)
     if wide > 1:
         word = {2: torch.int16, 4: torch.int32, 8: torch.int64}[wide]
@@ -226,6 +230,7 @@ def variants(
                 f"chunked_b{block}_c{chunk}_w{warps}",
                 lambda: gk.chunked(src, dst, table.starts, table.local, num_warps=warps),
             )
+        row(f"chunked_b{block}_c{chunk}_w4_p1", lambda: gk.chunked(src, dst, table.starts, table.local, programs=1))
     if permutation:
         inverse = torch.empty_like(g.index)
         inverse[g.index.long()] = torch.arange(g.index.numel(), device=dev, dtype=g.index.dtype)

@@ -7,6 +7,11 @@ experts. ``gather`` loads byte by byte; ``chunked`` serves layouts whose output 
 few aligned input chunks (Marlin's 16x64 tiles read 64 rows of 16 bytes): it loads the chunks
 whole and picks the block's bytes out of them in registers. Both write the torch path's bytes
 exactly (tests/unit/test_probed_layout.py compares them under Triton's interpreter).
+
+Where a parameter has few output blocks but many experts (a MoE's scales: Qwen3-30B-A3B's w13
+scales are 96 blocks of 1 KB per expert), the experts are split over a second grid axis: one
+program walking all 128 experts left most of an H100 idle (2026-12-06, docs/vllm.md: 320 GB/s
+against 1,808 GB/s for a copy, and 4x slower again at 4 KB blocks, i.e. with fewer programs).
 """
 
 from __future__ import annotations
@@ -15,50 +20,76 @@ import torch
 import triton
 import triton.language as tl
 
+PROGRAMS = 2048  # programs worth launching: ~16 per SM of a 132-SM Hopper
+
 
 @triton.jit
-def _gather(src, dst, index, N_IN, N_OUT, E, BLOCK: tl.constexpr):
-    """dst[e, j] = src[e, index[j]] for j in this program's block, every e."""
+def _gather(src, dst, index, N_IN, N_OUT, E, PER, BLOCK: tl.constexpr):
+    """dst[e, j] = src[e, index[j]] for j in this program's block, for this program's PER experts."""
     j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = j < N_OUT
     idx = tl.load(index + j, mask=live, other=0).to(tl.int64)
-    s = src
-    d = dst
-    for _ in range(E):  # pointers advance per expert: no E * N product to overflow 32 bits
+    first = tl.program_id(1).to(tl.int64) * PER
+    s = src + first * N_IN
+    d = dst + first * N_OUT
+    for _ in range(tl.minimum(PER, E - first)):  # pointers advance per expert: no E * N product in 32 bits
         tl.store(d + j, tl.load(s + idx, mask=live), mask=live)
         s += N_IN
         d += N_OUT
 
 
 @triton.jit
-def _chunked(src, dst, starts, local, N_IN, N_OUT, E, SLOTS: tl.constexpr, CHUNK: tl.constexpr):
+def _chunked(src, dst, starts, local, N_IN, N_OUT, E, PER, SLOTS: tl.constexpr, CHUNK: tl.constexpr):
     """Output block b (SLOTS * CHUNK bytes): its SLOTS input chunks (byte offsets ``starts[b]``) loaded whole,
-    then dst[e, block byte i] = chunk bytes[local[b, i]], for every e."""
+    then dst[e, block byte i] = chunk bytes[local[b, i]], for this program's PER experts."""
     BLOCK: tl.constexpr = SLOTS * CHUNK
     b = tl.program_id(0).to(tl.int64)
     at = tl.multiple_of(tl.load(starts + b * SLOTS + tl.arange(0, SLOTS)), CHUNK)
     offs = at[:, None] + tl.arange(0, CHUNK)[None, :]
     pick = tl.load(local + b * BLOCK + tl.arange(0, BLOCK)).to(tl.int32)
     out = b * BLOCK + tl.arange(0, BLOCK)
-    s = src
-    d = dst
-    for _ in range(E):
+    first = tl.program_id(1).to(tl.int64) * PER
+    s = src + first * N_IN
+    d = dst + first * N_OUT
+    for _ in range(tl.minimum(PER, E - first)):
         tl.store(d + out, tl.gather(tl.reshape(tl.load(s + offs), (BLOCK,)), pick, 0))
         s += N_IN
         d += N_OUT
 
 
-def gather(src: torch.Tensor, dst: torch.Tensor, index: torch.Tensor, *, block: int = 1024, num_warps: int = 4) -> None:
-    """``src``: contiguous uint8 (E, n_in); ``dst``: contiguous uint8 (E, n_out); ``index``: int32/int64 (n_out,)."""
+def expert_split(blocks: int, experts: int, programs: int = PROGRAMS) -> tuple[int, int]:
+    """(groups, experts per group): the experts split so that blocks x groups reaches ``programs``
+    where it can; every group but the last holds the same number."""
+    groups = min(experts, max(1, -(-programs // blocks)))
+    per = -(-experts // groups)
+    return -(-experts // per), per
+
+
+def gather(
+    src: torch.Tensor, dst: torch.Tensor, index: torch.Tensor, *, block: int = 1024, num_warps: int = 4, programs: int = PROGRAMS
+) -> None:
+    """``src``: contiguous uint8 (E, n_in); ``dst``: contiguous uint8 (E, n_out); ``index``: int32/int64 (n_out,).
+    ``programs=1`` keeps one program per block walking every expert (the layout before 2026-12-06)."""
     e, n_in = src.shape
     n_out = dst.shape[1]
-    _gather[(triton.cdiv(n_out, block),)](src, dst, index, n_in, n_out, e, BLOCK=block, num_warps=num_warps)
+    blocks = triton.cdiv(n_out, block)
+    groups, per = expert_split(blocks, e, programs)
+    _gather[(blocks, groups)](src, dst, index, n_in, n_out, e, per, BLOCK=block, num_warps=num_warps)
 
 
-def chunked(src: torch.Tensor, dst: torch.Tensor, starts: torch.Tensor, local: torch.Tensor, *, num_warps: int = 4) -> None:
+def chunked(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    starts: torch.Tensor,
+    local: torch.Tensor,
+    *,
+    num_warps: int = 4,
+    programs: int = PROGRAMS,
+) -> None:
     """``starts``: int64 (blocks, slots) chunk offsets, multiples of the chunk size; ``local``: int16
     (blocks, block bytes), each output byte's place among its block's chunk bytes (``ChunkTable``)."""
     e, n_in = src.shape
     blocks, slots = starts.shape
     chunk = local.shape[1] // slots
-    _chunked[(blocks,)](src, dst, starts, local, n_in, dst.shape[1], e, SLOTS=slots, CHUNK=chunk, num_warps=num_warps)
+    groups, per = expert_split(blocks, e, programs)
+    _chunked[(blocks, groups)](src, dst, starts, local, n_in, dst.shape[1], e, per, SLOTS=slots, CHUNK=chunk, num_warps=num_warps)

@@ -69,7 +69,14 @@ def test_gather_profile_script(tmp_path, interpret, monkeypatch):
     assert report["all_equal"] is True
     rows = {name for t in tensors for name, row in t["rows"].items() if "bytes_equal" in row}
     if interpret:
-        for variant in ("gather_b512_w4", "chunked_b1024_c16_w4", "scatter_b1024_w4", "wide4"):
+        for variant in (
+            "gather_b512_w4",
+            "gather_b1024_w4_p1",
+            "chunked_b1024_c16_w4",
+            "chunked_b1024_c16_w4_p1",
+            "scatter_b1024_w4",
+            "wide4",
+        ):
             assert variant in rows, (variant, sorted(rows))
     else:
         assert rows == {"library"}

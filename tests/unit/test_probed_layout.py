@@ -410,13 +410,27 @@ def test_triton_gather_tests_pass_under_the_interpreter():
         cwd=os.path.dirname(__file__),
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert "8 passed" in run.stdout, run.stdout[-2000:]
+    assert "20 passed" in run.stdout, run.stdout[-2000:]
+
+
+def test_expert_split_covers_every_expert_once():
+    from mxrefit.engine._gather_triton import expert_split
+
+    for blocks in (1, 3, 48, 96, 3072):
+        for experts in (1, 5, 128):
+            for programs in (1, 9, 2048):
+                groups, per = expert_split(blocks, experts, programs)
+                assert (groups - 1) * per < experts <= groups * per, (blocks, experts, programs)
+                assert groups * blocks >= min(programs, experts * blocks) or per == 1
+    assert expert_split(96, 128) == (22, 6)  # Qwen3-30B-A3B w13 scales: 96 blocks of 1 KB
+    assert expert_split(3072, 128) == (1, 128)  # its w13 weights: enough blocks already
 
 
 @inside
-@pytest.mark.parametrize("experts", [1, 3])
+@pytest.mark.parametrize("programs", [1, 9, 2048])  # one group; 3 groups of 2, 2, 1 experts; one per expert
+@pytest.mark.parametrize("experts", [1, 5])
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-def test_interpreted_gather_equals_index_select(experts, index_dtype):
+def test_interpreted_gather_equals_index_select(experts, index_dtype, programs):
     from mxrefit.engine import _gather_triton
 
     g = torch.Generator().manual_seed(experts)
@@ -424,7 +438,7 @@ def test_interpreted_gather_equals_index_select(experts, index_dtype):
     src = torch.randint(0, 256, (experts, n_in), generator=g, dtype=U8)
     index = torch.randint(0, n_in, (n_out,), generator=g).to(index_dtype)
     got = torch.zeros(experts, n_out, dtype=U8)
-    _gather_triton.gather(src, got, index)
+    _gather_triton.gather(src, got, index, programs=programs)
     assert torch.equal(got, torch.index_select(src, 1, index))
 
 
@@ -440,8 +454,9 @@ def test_interpreted_apply_of_a_learned_layout():
 
 
 @inside
-@pytest.mark.parametrize("experts", [1, 3])
-def test_interpreted_chunked_gather_equals_index_select(experts):
+@pytest.mark.parametrize("programs", [1, 40, 2048])  # 16 blocks: one group; 3 groups of 2, 2, 1; one per expert
+@pytest.mark.parametrize("experts", [1, 5])
+def test_interpreted_chunked_gather_equals_index_select(experts, programs):
     from mxrefit.engine import _gather_triton
 
     index = marlin_8bit_index(128, 128)
@@ -449,7 +464,7 @@ def test_interpreted_chunked_gather_equals_index_select(experts):
     assert table is not None
     src = torch.randint(0, 256, (experts, index.numel()), generator=torch.Generator().manual_seed(experts), dtype=U8)
     got = torch.zeros_like(src)
-    _gather_triton.chunked(src, got, table.starts, table.local)
+    _gather_triton.chunked(src, got, table.starts, table.local, programs=programs)
     assert torch.equal(got, torch.index_select(src, 1, index))
 
 
