@@ -13,6 +13,8 @@ engine does), then times, per kind and against a copy of the same bytes:
 - ``scatter_b*_w*``: the same permutation driven from the input side (loads contiguous, byte stores
   scattered), where the index is a permutation;
 - ``wide*``: the gather over 2-, 4- or 8-byte words, where the index moves aligned runs that long;
+- ``tiled_b*_w*``: the library's tiled kernel (``TiledIndex``: one tile's pattern plus an offset
+  per tile, where every output tile moves its bytes alike: no index traffic);
 - ``chunked_b*_c*``: the library's chunked kernel (``ChunkTable``: per output block the aligned input
   chunks it reads, loaded whole, its bytes picked out of them in registers) at other block and chunk
   sizes (Marlin's 16x64 tiles read 64 rows of 16 bytes each: the byte gather's loads touch ~8
@@ -37,7 +39,7 @@ from collections.abc import Callable
 import torch
 
 from mxrefit.devices import triton_runs_on
-from mxrefit.engine.probed_layout import ByteGather, ChunkTable, derive
+from mxrefit.engine.probed_layout import ByteGather, ChunkTable, TiledIndex, derive
 
 Tensors = dict[str, torch.Tensor]
 LAYERS = 48  # Qwen3-30B-A3B
@@ -160,6 +162,7 @@ def shape_of(index: torch.Tensor) -> dict:
         "is_permutation": bool(torch.equal(idx.sort().values, torch.arange(idx.numel(), device=idx.device))),
         "sectors_per_warp_load": float(sectors.float().mean()) if n else None,
         "input_span_per_1k_block": float(span.float().mean()) if m else None,
+        "tile_period": tiles.period if (tiles := TiledIndex.of(index)) is not None else None,
     }
 
 
@@ -231,6 +234,15 @@ def variants(
                 lambda: gk.chunked(src, dst, table.starts, table.local, num_warps=warps),
             )
         row(f"chunked_b{block}_c{chunk}_w4_p1", lambda: gk.chunked(src, dst, table.starts, table.local, programs=1))
+    tiles = TiledIndex.of(g.index)
+    if tiles is None:
+        rows["tiled"] = {"refused": "no period moves every output tile alike"}
+    else:
+        for block, warps in ((1024, 4), (1024, 8), (4096, 8)):
+            row(
+                f"tiled_b{block}_w{warps}",
+                lambda: gk.tiled(src, dst, tiles.base, tiles.pattern, block=block, num_warps=warps),
+            )
     if permutation:
         inverse = torch.empty_like(g.index)
         inverse[g.index.long()] = torch.arange(g.index.numel(), device=dev, dtype=g.index.dtype)

@@ -3,10 +3,12 @@
 Why a kernel: the index is per expert (a Qwen3-30B-A3B expert's w13 is 1536x2048 bytes, 12.6 MB
 of int32 index), and ``index_select`` along dim 1 of the (E, bytes) views walks it once per
 expert; here each program loads its part of the index once and moves those bytes for all E
-experts. ``gather`` loads byte by byte; ``chunked`` serves layouts whose output blocks each read a
-few aligned input chunks (Marlin's 16x64 tiles read 64 rows of 16 bytes): it loads the chunks
-whole and picks the block's bytes out of them in registers. Both write the torch path's bytes
-exactly (tests/unit/test_probed_layout.py compares them under Triton's interpreter).
+experts. ``gather`` loads byte by byte; ``tiled`` does the same from a periodic index (one
+tile's pattern plus an offset per tile: no index traffic); ``chunked`` serves layouts whose
+output blocks each read a few aligned input chunks (Marlin's 16x64 tiles read 64 rows of 16
+bytes): it loads the chunks whole and picks the block's bytes out of them in registers. All three
+write the torch path's bytes exactly (tests/unit/test_probed_layout.py compares them under
+Triton's interpreter).
 
 Where a parameter has few output blocks but many experts (a MoE's scales: Qwen3-30B-A3B's w13
 scales are 96 blocks of 1 KB per expert), the experts are split over a second grid axis: one
@@ -57,6 +59,21 @@ def _chunked(src, dst, starts, local, N_IN, N_OUT, E, PER, SLOTS: tl.constexpr, 
         d += N_OUT
 
 
+@triton.jit
+def _tiled(src, dst, base, pattern, N_IN, N_OUT, E, PER, PERIOD: tl.constexpr, BLOCK: tl.constexpr):
+    """dst[e, j] = src[e, base[j // PERIOD] + pattern[j % PERIOD]] for j in this program's block, for its PER experts."""
+    j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = j < N_OUT
+    at = tl.load(base + j // PERIOD, mask=live, other=0) + tl.load(pattern + j % PERIOD, mask=live, other=0).to(tl.int64)
+    first = tl.program_id(1).to(tl.int64) * PER
+    s = src + first * N_IN
+    d = dst + first * N_OUT
+    for _ in range(tl.minimum(PER, E - first)):
+        tl.store(d + j, tl.load(s + at, mask=live), mask=live)
+        s += N_IN
+        d += N_OUT
+
+
 def expert_split(blocks: int, experts: int, programs: int = PROGRAMS) -> tuple[int, int]:
     """(groups, experts per group): the experts split so that blocks x groups reaches ``programs``
     where it can; every group but the last holds the same number."""
@@ -93,3 +110,24 @@ def chunked(
     chunk = local.shape[1] // slots
     groups, per = expert_split(blocks, e, programs)
     _chunked[(blocks, groups)](src, dst, starts, local, n_in, dst.shape[1], e, per, SLOTS=slots, CHUNK=chunk, num_warps=num_warps)
+
+
+def tiled(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    base: torch.Tensor,
+    pattern: torch.Tensor,
+    *,
+    block: int = 1024,
+    num_warps: int = 4,
+    programs: int = PROGRAMS,
+) -> None:
+    """``base``: int64 (tiles,) input offset per output tile; ``pattern``: int32 (period,), the same
+    for every tile (``TiledIndex``)."""
+    e, n_in = src.shape
+    n_out = dst.shape[1]
+    blocks = triton.cdiv(n_out, block)
+    groups, per = expert_split(blocks, e, programs)
+    _tiled[(blocks, groups)](
+        src, dst, base, pattern, n_in, n_out, e, per, PERIOD=pattern.numel(), BLOCK=block, num_warps=num_warps
+    )

@@ -57,7 +57,8 @@ Tensors = dict[str, torch.Tensor]
 VALIDATION_SEED = 20260605
 CHECK_BYTES = 1 << 26  # scratch for checking a learned gather against the processing
 CHUNK_BLOCK, CHUNK_BYTES = 1024, 16  # the chunked kernel's output block and input chunk (Marlin: 16x64 tiles, 16-byte rows)
-CHUNKED_WINS = 0.95  # the chunked kernel is kept only if it took less than this share of the byte gather's time
+CHUNKED_WINS = 0.95  # another kernel is kept only if it took less than this share of the byte gather's time
+TILE_PERIODS = tuple(1 << p for p in range(6, 17))  # 64 B .. 64 KB: output tiles a periodic index may repeat over
 
 log = logging.getLogger("mxrefit.engine.probed_layout")
 
@@ -134,6 +135,39 @@ class ChunkTable:
 
 
 @dataclass(frozen=True)
+class TiledIndex:
+    """A gather whose output tiles of ``period`` bytes all move their bytes alike, shifted:
+    ``index[t * period + j] = base[t] + pattern[j]`` (vLLM's Marlin repack treats every 16x64 tile the
+    same way). Why: the byte index is 4 bytes of traffic per byte moved, and a linear's index is not
+    shared by experts (a Qwen3-30B-A3B qkv index is 69 MB, more than an H100's L2); this one is a
+    pattern that stays in cache plus one offset per tile."""
+
+    period: int
+    base: torch.Tensor  # int64 (tiles,): the input offset of each tile's pattern
+    pattern: torch.Tensor  # int32 (period,)
+
+    @classmethod
+    def of(cls, index: torch.Tensor, periods: tuple[int, ...] = TILE_PERIODS) -> TiledIndex | None:
+        """The smallest-period encoding of ``index`` (one expert's gather), or None where no period
+        in ``periods`` divides it into tiles moved alike."""
+        n = index.numel()
+        idx = index.to(torch.int64)
+        for period in periods:
+            if n % period or n == period:
+                continue
+            rows = idx.view(-1, period)
+            base = rows[:, :1]
+            pattern = rows[:1] - base[:1]
+            if pattern.abs().max() < 2**31 and torch.equal(rows - base, pattern.expand_as(rows)):
+                return cls(period, base.reshape(-1).contiguous(), pattern.reshape(-1).to(torch.int32).contiguous())
+        return None
+
+    @property
+    def nbytes(self) -> int:
+        return self.base.numel() * self.base.element_size() + self.pattern.numel() * self.pattern.element_size()
+
+
+@dataclass(frozen=True)
 class ByteGather:
     """``kernel[e].view(uint8)[j] = staged[source][e].view(uint8)[index[j]]`` for every expert e.
 
@@ -146,6 +180,7 @@ class ByteGather:
     index: torch.Tensor  # int32 (int64 past 2 GiB per expert), on the device, one entry per output byte of ONE expert
     identity: bool = False  # then ``index`` is empty and the output has ``source_bytes`` bytes per expert
     chunks: ChunkTable | None = None  # set where the chunked kernel runs this gather (``_with_faster_kernel``)
+    tiles: TiledIndex | None = None  # set where the tiled kernel runs it
 
     @property
     def out_bytes(self) -> int:
@@ -154,13 +189,19 @@ class ByteGather:
 
     @property
     def kernel(self) -> str:
-        """How ``rows`` moves the bytes: ``copy``, ``chunked`` or ``gather``."""
-        return "copy" if self.identity else "chunked" if self.chunks is not None else "gather"
+        """How ``rows`` moves the bytes: ``copy``, ``tiled``, ``chunked`` or ``gather``."""
+        if self.identity:
+            return "copy"
+        return "tiled" if self.tiles is not None else "chunked" if self.chunks is not None else "gather"
 
     def rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """The gather on (E', source_bytes) uint8 ``src`` rows into (E', out_bytes) ``dst`` rows."""
         if self.identity:
             dst.copy_(src)
+        elif self.tiles is not None:
+            from mxrefit.engine import _gather_triton
+
+            _gather_triton.tiled(src, dst, self.tiles.base, self.tiles.pattern)
         elif self.chunks is not None:
             from mxrefit.engine import _gather_triton
 
@@ -193,7 +234,9 @@ class ProbedLayout:
     def index_bytes(self) -> int:
         """Device memory the indices (and chunk tables) hold."""
         return sum(
-            g.index.numel() * g.index.element_size() + (g.chunks.nbytes if g.chunks is not None else 0)
+            g.index.numel() * g.index.element_size()
+            + (g.chunks.nbytes if g.chunks is not None else 0)
+            + (g.tiles.nbytes if g.tiles is not None else 0)
             for g in self.gathers.values()
         )
 
@@ -221,23 +264,32 @@ def _median_seconds(fns: list[Callable[[], None]], device: torch.device, reps: i
 
 
 def _with_faster_kernel(g: ByteGather, src: torch.Tensor, dst: torch.Tensor, what: str) -> ByteGather:
-    """``g`` on the chunked kernel where its layout allows it and that kernel ran faster on these
-    (E, bytes) rows, else ``g``: the byte gather's loads are byte by byte, which is slow where each
-    warp's bytes come from many rows (Marlin), and the chunked one's register shuffle may or may not
-    beat that on a given GPU and Triton, so it is timed rather than assumed."""
+    """``g`` on the fastest kernel its layout allows on these (E, bytes) rows: the byte gather, the
+    tiled one (a periodic index: no index traffic) or the chunked one (whole input chunks per output
+    block). Timed rather than assumed: on an H100 the chunked kernel beat the byte gather on three
+    of four Marlin weights and lost on the fourth (docs/vllm.md, 2026-12-06). Another kernel is kept
+    only if it took less than ``CHUNKED_WINS`` of the byte gather's time."""
     if g.identity or triton_kernels("mxrefit.engine._gather_triton", dst.device) is None:
         return g
+    candidates: list[ByteGather] = []
+    tiles = TiledIndex.of(g.index)
+    if tiles is not None:
+        candidates.append(replace(g, tiles=tiles))
     table = ChunkTable.of(g.index, g.source_bytes)
-    if table is None:
-        return g
-    chunked = replace(g, chunks=table)
-    try:
-        gather_s, chunked_s = _median_seconds([lambda: g.rows(src, dst), lambda: chunked.rows(src, dst)], dst.device)
-    except Exception as exc:  # a Triton without tl.gather, say: the byte gather serves
-        log.info("%s: the chunked gather did not run (%r); the byte gather serves", what, exc)
-        return g
-    log.info("%s: byte gather %.3f ms, chunked %.3f ms", what, gather_s * 1e3, chunked_s * 1e3)
-    return chunked if chunked_s < CHUNKED_WINS * gather_s else g
+    if table is not None:
+        candidates.append(replace(g, chunks=table))
+    kept, kept_s = g, None
+    for other in candidates:
+        try:
+            gather_s, other_s = _median_seconds([lambda: g.rows(src, dst), lambda: other.rows(src, dst)], dst.device)
+        except Exception as exc:  # a Triton without tl.gather, say: the byte gather serves
+            log.info("%s: the %s gather did not run (%r)", what, other.kernel, exc)
+            continue
+        log.info("%s: byte gather %.3f ms, %s %.3f ms", what, gather_s * 1e3, other.kernel, other_s * 1e3)
+        share = other_s / gather_s
+        if share < CHUNKED_WINS and (kept_s is None or share < kept_s):
+            kept, kept_s = other, share
+    return kept
 
 
 class _Watch:

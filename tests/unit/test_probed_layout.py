@@ -23,7 +23,7 @@ import torch
 
 from mxrefit.devices import triton_kernels
 from mxrefit.engine import probed_layout
-from mxrefit.engine.probed_layout import ChunkTable, LayoutCache, ProbedLayout, derive, tensor_signature
+from mxrefit.engine.probed_layout import ChunkTable, LayoutCache, ProbedLayout, TiledIndex, derive, tensor_signature
 from mxrefit.integrations.vllm.trtllm import SCALE_BLOCK, MoeLayout
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
@@ -395,6 +395,21 @@ def test_chunk_table_encodes_marlin_tiles_and_refuses_scattered_layouts():
     assert ChunkTable.of(index, 128 * 256 + 8) is None
 
 
+def test_tiled_index_encodes_marlin_tiles_and_refuses_what_is_not_periodic():
+    index = marlin_8bit_index(128, 256)
+    tiles = TiledIndex.of(index.to(torch.int32))
+    assert tiles is not None and tiles.period <= 1024 and tiles.pattern.dtype == torch.int32
+    rebuilt_index = (tiles.base.view(-1, 1) + tiles.pattern.long().view(1, -1)).reshape(-1)
+    assert torch.equal(rebuilt_index, index)
+    assert tiles.nbytes * 8 < index.numel() * 4  # the point: far less than the byte index
+    # negative controls: a scattered permutation; Marlin's index with one byte moved; one period only
+    assert TiledIndex.of(torch.randperm(4096, generator=torch.Generator().manual_seed(0))) is None
+    broken = index.clone()
+    broken[5000] = broken[5001]
+    assert TiledIndex.of(broken) is None
+    assert TiledIndex.of(index[:64]) is None
+
+
 # ---- the Triton gather under the interpreter -------------------------------------------------------------------------
 def test_triton_gather_tests_pass_under_the_interpreter():
     if INTERPRETING:
@@ -410,7 +425,7 @@ def test_triton_gather_tests_pass_under_the_interpreter():
         cwd=os.path.dirname(__file__),
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert "20 passed" in run.stdout, run.stdout[-2000:]
+    assert "26 passed" in run.stdout, run.stdout[-2000:]
 
 
 def test_expert_split_covers_every_expert_once():
@@ -469,14 +484,35 @@ def test_interpreted_chunked_gather_equals_index_select(experts, programs):
 
 
 @inside
-def test_interpreted_learning_times_both_kernels_and_keeps_the_bytes(monkeypatch):
-    """Which kernel is kept follows the timing (forced both ways here); either writes the processing's bytes."""
-    for wins, kept in ((float("inf"), "chunked"), (0.0, "gather")):
-        monkeypatch.setattr(probed_layout, "CHUNKED_WINS", wins)
-        staged = marlin_staged(3)
-        module, layout = learn(marlin_like, staged, experts=3)
-        assert isinstance(layout, ProbedLayout), layout
-        assert layout.kernels["weight"] == kept
-        fresh = marlin_staged(3, seed=9)
-        layout.apply(fresh, module.kernel())
-        assert module.holds(fresh)
+@pytest.mark.parametrize("programs", [1, 2048])
+@pytest.mark.parametrize("experts", [1, 5])
+def test_interpreted_tiled_gather_equals_index_select(experts, programs):
+    from mxrefit.engine import _gather_triton
+
+    index = marlin_8bit_index(128, 128)
+    tiles = TiledIndex.of(index)
+    assert tiles is not None
+    src = torch.randint(0, 256, (experts, index.numel()), generator=torch.Generator().manual_seed(experts), dtype=U8)
+    got = torch.zeros_like(src)
+    _gather_triton.tiled(src, got, tiles.base, tiles.pattern, programs=programs)
+    assert torch.equal(got, torch.index_select(src, 1, index))
+
+
+@inside
+@pytest.mark.parametrize(
+    "wins,tiled,kept",
+    [(float("inf"), False, {"chunked"}), (float("inf"), True, {"tiled", "chunked"}), (0.0, True, {"gather"})],
+)
+def test_interpreted_learning_times_the_kernels_and_keeps_the_bytes(monkeypatch, wins, tiled, kept):
+    """Which kernel is kept follows the timing (forced here: any kernel wins, or none does; the tiled
+    one withheld to reach the chunked one); each writes the processing's bytes."""
+    monkeypatch.setattr(probed_layout, "CHUNKED_WINS", wins)
+    if not tiled:
+        monkeypatch.setattr(probed_layout.TiledIndex, "of", classmethod(lambda cls, index: None))
+    staged = marlin_staged(3)
+    module, layout = learn(marlin_like, staged, experts=3)
+    assert isinstance(layout, ProbedLayout), layout
+    assert layout.kernels["weight"] in kept
+    fresh = marlin_staged(3, seed=9)
+    layout.apply(fresh, module.kernel())
+    assert module.holds(fresh)
