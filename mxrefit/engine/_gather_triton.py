@@ -31,9 +31,9 @@ def _gather(src, dst, index, N_IN, N_OUT, E, PER, BLOCK: tl.constexpr):
     j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = j < N_OUT
     idx = tl.load(index + j, mask=live, other=0).to(tl.int64)
-    first = tl.program_id(1).to(tl.int64) * PER
-    s = src + first * N_IN
-    d = dst + first * N_OUT
+    first = tl.program_id(1) * PER  # < E: int32, so the loop bound below is int32 as E is
+    s = src + first.to(tl.int64) * N_IN
+    d = dst + first.to(tl.int64) * N_OUT
     for _ in range(tl.minimum(PER, E - first)):  # pointers advance per expert: no E * N product in 32 bits
         tl.store(d + j, tl.load(s + idx, mask=live), mask=live)
         s += N_IN
@@ -50,9 +50,9 @@ def _chunked(src, dst, starts, local, N_IN, N_OUT, E, PER, SLOTS: tl.constexpr, 
     offs = at[:, None] + tl.arange(0, CHUNK)[None, :]
     pick = tl.load(local + b * BLOCK + tl.arange(0, BLOCK)).to(tl.int32)
     out = b * BLOCK + tl.arange(0, BLOCK)
-    first = tl.program_id(1).to(tl.int64) * PER
-    s = src + first * N_IN
-    d = dst + first * N_OUT
+    first = tl.program_id(1) * PER  # < E: int32, so the loop bound below is int32 as E is
+    s = src + first.to(tl.int64) * N_IN
+    d = dst + first.to(tl.int64) * N_OUT
     for _ in range(tl.minimum(PER, E - first)):
         tl.store(d + out, tl.gather(tl.reshape(tl.load(s + offs), (BLOCK,)), pick, 0))
         s += N_IN
@@ -65,9 +65,9 @@ def _tiled(src, dst, base, pattern, N_IN, N_OUT, E, PER, PERIOD: tl.constexpr, B
     j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = j < N_OUT
     at = tl.load(base + j // PERIOD, mask=live, other=0) + tl.load(pattern + j % PERIOD, mask=live, other=0).to(tl.int64)
-    first = tl.program_id(1).to(tl.int64) * PER
-    s = src + first * N_IN
-    d = dst + first * N_OUT
+    first = tl.program_id(1) * PER  # < E: int32, so the loop bound below is int32 as E is
+    s = src + first.to(tl.int64) * N_IN
+    d = dst + first.to(tl.int64) * N_OUT
     for _ in range(tl.minimum(PER, E - first)):
         tl.store(d + j, tl.load(s + at, mask=live), mask=live)
         s += N_IN
