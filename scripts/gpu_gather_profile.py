@@ -147,8 +147,9 @@ def granule(index: torch.Tensor) -> int:
     return 1
 
 
-def shape_of(index: torch.Tensor) -> dict:
-    """Sectors per warp load and input span per 1,024-byte output block (means)."""
+def shape_of(index: torch.Tensor, tiles: TiledIndex | None) -> dict:
+    """Sectors per warp load and input span per 1,024-byte output block (means); ``tiles``: the index as a
+    ``TiledIndex``, if it is one."""
     idx = index.to(torch.int64)
     n = idx.numel() // 32 * 32
     warp = (idx[:n].view(-1, 32) // 32).sort(dim=1).values
@@ -162,7 +163,7 @@ def shape_of(index: torch.Tensor) -> dict:
         "is_permutation": bool(torch.equal(idx.sort().values, torch.arange(idx.numel(), device=idx.device))),
         "sectors_per_warp_load": float(sectors.float().mean()) if n else None,
         "input_span_per_1k_block": float(span.float().mean()) if m else None,
-        "tile_period": tiles.period if (tiles := TiledIndex.of(index)) is not None else None,
+        "tile_period": tiles.period if tiles is not None else None,
     }
 
 
@@ -188,7 +189,13 @@ def _triton_variants():
 
 
 def variants(
-    g: ByteGather, src: torch.Tensor, dst: torch.Tensor, want: torch.Tensor, dev: torch.device, permutation: bool
+    g: ByteGather,
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    want: torch.Tensor,
+    dev: torch.device,
+    permutation: bool,
+    tiles: TiledIndex | None,
 ) -> dict:
     """Every variant of one gather ((E, n_in) ``src`` into (E, n_out) ``dst``), timed and checked against ``want``;
     the scatter only where the index is a ``permutation``."""
@@ -234,7 +241,6 @@ def variants(
                 lambda: gk.chunked(src, dst, table.starts, table.local, num_warps=warps),
             )
         row(f"chunked_b{block}_c{chunk}_w4_p1", lambda: gk.chunked(src, dst, table.starts, table.local, programs=1))
-    tiles = TiledIndex.of(g.index)
     if tiles is None:
         rows["tiled"] = {"refused": "no period moves every output tile alike"}
     else:
@@ -281,8 +287,9 @@ def profile_kind(name: str, staged: Tensors, experts: int, process: Callable[[Te
         src = staged[g.source].reshape(-1).view(torch.uint8).view(experts, -1)
         dst = torch.empty(experts, g.out_bytes, dtype=torch.uint8, device=dev)
         ref = want[attr].reshape(-1).view(torch.uint8).view(experts, -1)
-        info = {"identity": g.identity, "kernel": g.kernel, **({} if g.identity else shape_of(g.index))}
-        info["rows"] = variants(g, src, dst, ref, dev, bool(info.get("is_permutation")))
+        tiles = None if g.identity else TiledIndex.of(g.index)
+        info = {"identity": g.identity, "kernel": g.kernel, **({} if g.identity else shape_of(g.index, tiles))}
+        info["rows"] = variants(g, src, dst, ref, dev, bool(info.get("is_permutation")), tiles)
         out["tensors"][attr] = info
     print(
         f"{name}: "

@@ -26,15 +26,21 @@ PROGRAMS = 2048  # programs worth launching: ~16 per SM of a 132-SM Hopper
 
 
 @triton.jit
+def _experts_of_program(src, dst, N_IN, N_OUT, E, PER):
+    """This program's first expert row of ``src`` and ``dst`` and how many experts it walks (axis 1
+    of the grid splits the experts into groups of PER)."""
+    first = tl.program_id(1) * PER  # < E: int32, so the loop bound is int32 as E is
+    return src + first.to(tl.int64) * N_IN, dst + first.to(tl.int64) * N_OUT, tl.minimum(PER, E - first)
+
+
+@triton.jit
 def _gather(src, dst, index, N_IN, N_OUT, E, PER, BLOCK: tl.constexpr):
     """dst[e, j] = src[e, index[j]] for j in this program's block, for this program's PER experts."""
     j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = j < N_OUT
     idx = tl.load(index + j, mask=live, other=0).to(tl.int64)
-    first = tl.program_id(1) * PER  # < E: int32, so the loop bound below is int32 as E is
-    s = src + first.to(tl.int64) * N_IN
-    d = dst + first.to(tl.int64) * N_OUT
-    for _ in range(tl.minimum(PER, E - first)):  # pointers advance per expert: no E * N product in 32 bits
+    s, d, count = _experts_of_program(src, dst, N_IN, N_OUT, E, PER)
+    for _ in range(count):  # pointers advance per expert: no E * N product in 32 bits
         tl.store(d + j, tl.load(s + idx, mask=live), mask=live)
         s += N_IN
         d += N_OUT
@@ -50,10 +56,8 @@ def _chunked(src, dst, starts, local, N_IN, N_OUT, E, PER, SLOTS: tl.constexpr, 
     offs = at[:, None] + tl.arange(0, CHUNK)[None, :]
     pick = tl.load(local + b * BLOCK + tl.arange(0, BLOCK)).to(tl.int32)
     out = b * BLOCK + tl.arange(0, BLOCK)
-    first = tl.program_id(1) * PER  # < E: int32, so the loop bound below is int32 as E is
-    s = src + first.to(tl.int64) * N_IN
-    d = dst + first.to(tl.int64) * N_OUT
-    for _ in range(tl.minimum(PER, E - first)):
+    s, d, count = _experts_of_program(src, dst, N_IN, N_OUT, E, PER)
+    for _ in range(count):
         tl.store(d + out, tl.gather(tl.reshape(tl.load(s + offs), (BLOCK,)), pick, 0))
         s += N_IN
         d += N_OUT
@@ -65,10 +69,8 @@ def _tiled(src, dst, base, pattern, N_IN, N_OUT, E, PER, PERIOD: tl.constexpr, B
     j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = j < N_OUT
     at = tl.load(base + j // PERIOD, mask=live, other=0) + tl.load(pattern + j % PERIOD, mask=live, other=0).to(tl.int64)
-    first = tl.program_id(1) * PER  # < E: int32, so the loop bound below is int32 as E is
-    s = src + first.to(tl.int64) * N_IN
-    d = dst + first.to(tl.int64) * N_OUT
-    for _ in range(tl.minimum(PER, E - first)):
+    s, d, count = _experts_of_program(src, dst, N_IN, N_OUT, E, PER)
+    for _ in range(count):
         tl.store(d + j, tl.load(s + at, mask=live), mask=live)
         s += N_IN
         d += N_OUT

@@ -57,7 +57,7 @@ Tensors = dict[str, torch.Tensor]
 VALIDATION_SEED = 20260605
 CHECK_BYTES = 1 << 26  # scratch for checking a learned gather against the processing
 CHUNK_BLOCK, CHUNK_BYTES = 1024, 16  # the chunked kernel's output block and input chunk (Marlin: 16x64 tiles, 16-byte rows)
-CHUNKED_WINS = 0.95  # another kernel is kept only if it took less than this share of the byte gather's time
+OTHER_KERNEL_WINS = 0.95  # another kernel is kept only if it took less than this share of the byte gather's time
 TILE_PERIODS = tuple(1 << p for p in range(6, 17))  # 64 B .. 64 KB: output tiles a periodic index may repeat over
 
 log = logging.getLogger("mxrefit.engine.probed_layout")
@@ -268,7 +268,7 @@ def _with_faster_kernel(g: ByteGather, src: torch.Tensor, dst: torch.Tensor, wha
     tiled one (a periodic index: no index traffic) or the chunked one (whole input chunks per output
     block). Timed rather than assumed: on an H100 the chunked kernel beat the byte gather on three
     of four Marlin weights and lost on the fourth (docs/vllm.md, 2026-12-06). Another kernel is kept
-    only if it took less than ``CHUNKED_WINS`` of the byte gather's time."""
+    only if it took less than ``OTHER_KERNEL_WINS`` of the byte gather's time."""
     if g.identity or triton_kernels("mxrefit.engine._gather_triton", dst.device) is None:
         return g
     candidates: list[ByteGather] = []
@@ -278,18 +278,22 @@ def _with_faster_kernel(g: ByteGather, src: torch.Tensor, dst: torch.Tensor, wha
     table = ChunkTable.of(g.index, g.source_bytes)
     if table is not None:
         candidates.append(replace(g, chunks=table))
-    kept, kept_s = g, None
+    runnable: list[ByteGather] = []
     for other in candidates:
         try:
-            gather_s, other_s = _median_seconds([lambda: g.rows(src, dst), lambda: other.rows(src, dst)], dst.device)
-        except Exception as exc:  # a Triton without tl.gather, say: the byte gather serves
+            other.rows(src, dst)  # compiles it, and finds a Triton without tl.gather (say) before timing
+        except Exception as exc:
             log.info("%s: the %s gather did not run (%r)", what, other.kernel, exc)
             continue
+        runnable.append(other)
+    if not runnable:
+        return g
+    fns = [lambda: g.rows(src, dst)] + [lambda o=o: o.rows(src, dst) for o in runnable]
+    gather_s, *others_s = _median_seconds(fns, dst.device)
+    for other, other_s in zip(runnable, others_s):
         log.info("%s: byte gather %.3f ms, %s %.3f ms", what, gather_s * 1e3, other.kernel, other_s * 1e3)
-        share = other_s / gather_s
-        if share < CHUNKED_WINS and (kept_s is None or share < kept_s):
-            kept, kept_s = other, share
-    return kept
+    best_s, best = min(zip(others_s, runnable), key=lambda pair: pair[0])
+    return best if best_s < OTHER_KERNEL_WINS * gather_s else g
 
 
 class _Watch:

@@ -506,7 +506,7 @@ def test_interpreted_tiled_gather_equals_index_select(experts, programs):
 def test_interpreted_learning_times_the_kernels_and_keeps_the_bytes(monkeypatch, wins, tiled, kept):
     """Which kernel is kept follows the timing (forced here: any kernel wins, or none does; the tiled
     one withheld to reach the chunked one); each writes the processing's bytes."""
-    monkeypatch.setattr(probed_layout, "CHUNKED_WINS", wins)
+    monkeypatch.setattr(probed_layout, "OTHER_KERNEL_WINS", wins)
     if not tiled:
         monkeypatch.setattr(probed_layout.TiledIndex, "of", classmethod(lambda cls, index: None))
     staged = marlin_staged(3)
