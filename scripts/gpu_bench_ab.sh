@@ -16,12 +16,16 @@ python3 -m pip install -q --no-index --no-deps --target /tmp/zmq .whl2/*.whl || 
 export PYTHONPATH=/tmp/zmq PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee $OUT/gpu.txt
+# an 80 GB card holds 24 layers of the large models beside their engine, not all of them (on an H100
+# on 2026-12-06 the 48-layer 30B, 32B and 235B share ran out of memory): cap the layers unless asked
+mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+if (( mib < 100000 )) && [[ " $* " != *" --layers "* ]]; then set -- "$@" --layers 24; echo "80 GB card: --layers 24"; fi
 root=$PWD
 for r in $(seq 1 $rounds); do
   for tree in baseline this; do
     dir=$root; [[ $tree == baseline ]] && dir=$root/.old
     f=$OUT/bench_${TAG:-ab}_${tree}_$r
-    (cd $dir && python3 -m mxrefit bench --device cuda --no-progress --json $f.json "$@") > $f.log 2>&1
+    (cd $dir && timeout ${BENCH_TIMEOUT:-300} python3 -m mxrefit bench --device cuda --no-progress --json $f.json "$@") > $f.log 2>&1
     echo "== ${TAG:-ab} $tree, round $r (rc $?)"; grep -E "total, ms|quantize/pack|finite check|x copy floor|rate, GB/s|identical|Error" $f.log
   done
 done

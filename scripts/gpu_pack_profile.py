@@ -27,7 +27,7 @@ from mxrefit.formats.finite_check import FiniteCheck
 
 def loop_rows(srcs: list[torch.Tensor], outs: list, traffic: int, dev: torch.device) -> dict:
     """The library's grouped kernel alone (no host-side address check) at each run length ``iters``
-    (runs of ``nb`` blocks per program; the library's default is nb 128, iters 4), its bytes
+    (runs of ``nb`` blocks per program; the library's default is nb 128, iters 1), its bytes
     compared with the library call's."""
     want_v = torch.cat([o[0].reshape(-1).view(torch.uint8) for o in outs])
     want_s = torch.cat([o[1].reshape(-1) for o in outs])

@@ -56,9 +56,10 @@ from mxrefit.transport.factory import default_kind
 
 MODES = ("baseline", "prequant")
 ALL_MODES = ("baseline", "prequant", "prequant-buffers")
-# what the safety options cost: per-bucket integrity sums, receiving into a shadow committed whole,
-# and the non-finite screen fused into encoding (check_finite=False: one read of the sources, not two)
-CHECK_MODES = ("prequant", "prequant-fused", "prequant-verify", "prequant-transactional")
+# what the options cost: ready messages one bucket behind (one_behind=True), per-bucket integrity sums,
+# receiving into a shadow committed whole, and the non-finite screen fused into encoding
+# (check_finite=False: one read of the sources, not two)
+CHECK_MODES = ("prequant", "prequant-one-behind", "prequant-fused", "prequant-verify", "prequant-transactional")
 POST = ("trtllm", "trtllm-staged", "none")
 FORMATS = ("mxfp8", "fp8-block", "fp8-block-ue8m0", "bf16")
 
@@ -276,10 +277,17 @@ def run_mode(
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_engine_main, args=(child, shape, mode, str(device), timeout_s, experts, post, fmt), daemon=True)
     proc.start()
+    child.close()  # the engine holds the only other end: if it dies, the wait below sees it at once
     try:
         if not parent.poll(600):
             raise RuntimeError("the engine process did not start within 600 s")
-        hello = parent.recv()
+        try:
+            hello = parent.recv()
+        except EOFError:
+            proc.join(10)
+            raise RuntimeError(
+                f"the {mode} engine process exited (code {proc.exitcode}) before it served; its error is printed above"
+            ) from None
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             base_mem = torch.cuda.memory_allocated(device)
@@ -301,6 +309,7 @@ def run_mode(
                 transport=transport,
                 verify=mode == "prequant-verify",
                 check_finite=mode != "prequant-fused",
+                one_behind=mode == "prequant-one-behind",
             )
             sender.plan([SourceSpec(n, tuple(t.shape), t.dtype) for n, t in weights.items()])
         reports = []
@@ -318,12 +327,16 @@ def run_mode(
             result["transport"] = prequant.transport
             result["verify"] = prequant.verify
             result["check_finite"] = prequant.check_finite
+            result["one_behind"] = prequant.one_behind
             result["check"] = _sample_check(
                 prequant, shape, vllm_destinations(shape, fmt=fmt, experts=experts), weights, post, fmt
             )
         result["trainer_peak_extra_bytes"] = torch.cuda.max_memory_allocated(device) - base_mem if device.type == "cuda" else 0
         sender.close(shutdown_engine=True)
-        result.update(parent.recv() if parent.poll(60) else {})
+        try:
+            result.update(parent.recv() if parent.poll(60) else {})
+        except EOFError:  # the engine exited without its memory report
+            pass
     finally:
         proc.join(timeout=30)
         if proc.is_alive():

@@ -288,8 +288,7 @@ class QuantizeGroup:
     Destinations are fixed (views of a persistent transfer buffer), so their addresses are
     tabled at construction; source addresses are re-sent only when they change. With
     ``layouts`` (per tensor: the values' and the scales' ``KernelLayout`` or None) every block
-    is written in its kernel layout (``_layout_group_kernel``; one run of blocks per program by
-    default, since its looped form has not been timed); scale parts whose tiles are padded are zeroed first (one
+    is written in its kernel layout (``_layout_group_kernel``); scale parts whose tiles are padded are zeroed first (one
     ``_foreach_zero_``), since the kernel writes data bytes only (never a shared region:
     ``check_layouts`` refuses padding there).
     """
@@ -301,16 +300,19 @@ class QuantizeGroup:
         *,
         device: torch.device | None = None,
         blocks_per_program: int = 128,
-        iters: int | None = None,
+        iters: int = 1,
         num_warps: int = 4,
         layouts: Sequence[Sequence[KernelLayout | None]] | None = None,
     ):
         """``sources`` give shapes and dtype only (meta tensors will do); ``outs`` are the destinations.
-        ``iters``: runs of ``blocks_per_program`` blocks per program (default 4; 1 with ``layouts``)."""
+        ``iters``: runs of ``blocks_per_program`` blocks per program. Default 1, the shape every timed
+        refit ran with: 4 (faster as a kernel alone in a script of its own on the H200) was the default
+        in a tree whose bench ran 6.6x slower on an H100 on 2026-12-06, cause not yet isolated
+        (docs/benchmarks.md); ``scripts/gpu_pack_profile.py`` times 1, 2 and 4."""
         self.device = device if device is not None else outs[0][0].device
         self.is_bf16 = sources[0].dtype == torch.bfloat16
         self.nb = blocks_per_program
-        self.iters = iters if iters is not None else (1 if layouts is not None else 4)
+        self.iters = iters
         self.num_warps = num_warps
         n_blocks = [s.numel() // 32 for s in sources]
         self.table = LaunchTable(n_blocks, self.nb * self.iters, outs, self.device, "MXFP8")

@@ -15,8 +15,9 @@ non-finite screen over every tensor (``mxrefit.formats.finite_check``; with ``ch
 the encoders screen in the same pass instead), then per bucket one grouped
 launch per format + a "ready" message; the engine answers "applied" once the bucket's bytes
 are in place (and processed, for engines that post-process), and bucket *i* is encoded only
-after bucket *i - slots* was applied (direct writes from a mapping: *i - slots - 1*, since their
-"ready" messages go out one bucket behind; ``RefitPlan.window`` states it for both sides).
+after bucket *i - slots* was applied. With ``one_behind=True``, direct writes from a mapping send
+their "ready" messages one bucket behind and start bucket *i* once *i - slots - 1* was applied
+(``RefitPlan.window``, which the engine's staging honours in either case).
 
 ``refit`` also takes a stream of ``(name, tensor)`` pairs in the plan's order (e.g. FSDP2
 ``full_tensor()`` per parameter): tensors are then pulled bucket by bucket and dropped after
@@ -79,11 +80,12 @@ class RefitError(MxrefitError, RuntimeError):
 
 
 class _BucketFlags:
-    """Per-bucket non-finite cells, read without stalling the device.
+    """Per-bucket non-finite cells.
 
-    Bucket i's encoders ``atomic_min`` into cell i % 2; behind them the cell is copied to pinned
-    host memory and an event recorded, so the host learns whether bucket i was finite as soon as
-    its own kernels are done, while bucket i + 1's run on (on CPU the kernels have run already)."""
+    Bucket i's encoders ``atomic_min`` into cell i % 2. Read at once, a cell waits for every kernel
+    queued so far. Marked (the one-behind sender), the cell is copied to pinned host memory behind
+    bucket i's kernels and an event recorded, so the host learns whether bucket i was finite as soon
+    as its own kernels are done, while bucket i + 1's run on (on CPU the kernels have run already)."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -91,6 +93,7 @@ class _BucketFlags:
         self.cuda = device.type == "cuda"
         self.host = torch.full((2,), NO_BAD, dtype=torch.int32, pin_memory=self.cuda)
         self.events = [torch.cuda.Event() for _ in range(2)] if self.cuda else []
+        self.marked = [False, False]
 
     def cell(self, i: int) -> torch.Tensor:
         """Bucket ``i``'s cell, cleared (an aborted refit leaves its flag behind)."""
@@ -104,11 +107,14 @@ class _BucketFlags:
             k = i % 2
             self.host[k : k + 1].copy_(self.cells[k : k + 1], non_blocking=True)
             self.events[k].record(torch.cuda.current_stream(self.device))
+            self.marked[k] = True
 
     def first_bad(self, i: int) -> int | None:
-        """The first non-finite unit bucket ``i``'s kernels met, or None; waits for those kernels only."""
+        """The first non-finite unit bucket ``i``'s kernels met, or None; waits for those kernels only
+        if the bucket was marked, else for everything queued."""
         k = i % 2
-        if self.cuda:
+        if self.marked[k]:
+            self.marked[k] = False
             self.events[k].synchronize()
             return first_bad(self.host[k : k + 1])
         return first_bad(self.cells[k : k + 1])
@@ -159,6 +165,7 @@ class Sender:
         check_finite: bool = True,
         verify: bool = False,
         rules: QuantRules | None = None,
+        one_behind: bool = False,
     ):
         """``check_finite``: True (default) screens every source for NaN/Inf in a pass of its own
         before any byte moves, so bad input changes no engine byte (the sources are read twice);
@@ -168,7 +175,12 @@ class Sender:
         ``verify``: per-bucket integrity sums (``mxrefit.transport.bytesum``) checked by the engine
         before it applies a bucket; a mismatch fails the refit with the bucket named.
         ``rules``: the trainer's own quantization rules; the plan is refused (PlanMismatch naming
-        each tensor) where the engine's tables quantize differently."""
+        each tensor) where the engine's tables quantize differently.
+        ``one_behind``: direct writes from a mapping send each bucket's "ready" one bucket behind, so
+        the device runs bucket i + 1's kernels while the host waits for bucket i's. Off by default:
+        on an H100 on 2026-12-06 the bench ran 6.6x slower in a tree with it than in the tree before
+        it and the two other changes between them, cause not yet isolated (docs/benchmarks.md); the
+        bench's ``prequant-one-behind`` mode times it beside ``prequant`` in one run."""
         if transport is not None and transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS} or None, got {transport!r}")
         self._setup(
@@ -181,6 +193,7 @@ class Sender:
             check_finite=check_finite,
             verify=verify,
             rules=rules,
+            one_behind=one_behind,
         )
         self.client = ControlClient(address, token)
 
@@ -197,6 +210,7 @@ class Sender:
         verify: bool,
         rules: QuantRules | None,
         path: SendPath | None = None,
+        one_behind: bool = False,
     ) -> None:
         """Everything but the control channel, which the caller sets as ``client`` next. ``path``:
         a transport this sender always uses (``BroadcastSender``); else one is chosen at each plan."""
@@ -209,6 +223,7 @@ class Sender:
         self.timeout_s = timeout_s
         self.check_finite = check_finite
         self.verify = verify
+        self.one_behind = one_behind
         self.address = address
         self.plan_: RefitPlan | None = None
         self.path = path
@@ -465,15 +480,15 @@ class Sender:
                 f"starting refit {version}",
             )
             self._check_path(path, version)
-            # direct writes from a mapping finish each bucket one behind: bucket i's ready message waits
-            # on its own kernels only, while bucket i + 1's are already queued, so the device does not idle
-            # between buckets for the host's turn-around (on the H200 on 2026-12-05, with a host sync per
-            # bucket, packing ran at ~55% of the copy rate against 84-97% for the kernels alone). The wait below
-            # lags one too (``plan.window``), and the engine's staging keeps a layer's region that one
-            # bucket longer, since the trainer writes that far ahead of "applied". A stream finishes each
-            # bucket at once (it holds one bucket's tensors at a time); so do slots, where bucket i + 1's
-            # slot is free only once bucket i + 1 - slots was applied.
-            behind = stream is None and path.buffers is None
+            # with one_behind, direct writes from a mapping finish each bucket one behind: bucket i's ready
+            # message waits on its own kernels only, while bucket i + 1's are already queued, so the device
+            # need not idle between buckets for the host's turn-around (on the H200 on 2026-12-05, with a
+            # host sync per bucket, packing ran at ~55% of the copy rate against 84-97% for the kernels
+            # alone). The wait below lags one too (``plan.window``), and the engine's staging keeps a layer's
+            # region that one bucket longer, since the trainer writes that far ahead of "applied". A stream
+            # finishes each bucket at once (it holds one bucket's tensors at a time); so do slots, where
+            # bucket i + 1's slot is free only once bucket i + 1 - slots was applied.
+            behind = self.one_behind and stream is None and path.buffers is None
             window = plan.window if behind else plan.slots
             pending: Bucket | None = None
             for b in plan.buckets:
@@ -487,7 +502,8 @@ class Sender:
                 cell = self._flags.cell(b.index)
                 for idx, encode in self._bucket_encoders[b.index]:
                     encode([srcs[i] for i in idx], cell)
-                self._flags.mark(b.index)
+                if behind:
+                    self._flags.mark(b.index)
                 report.pack_s += time.perf_counter() - t
                 if behind:
                     if pending is not None:

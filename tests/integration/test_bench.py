@@ -6,6 +6,12 @@ import json
 import os
 import subprocess
 import sys
+import time
+
+import pytest
+import torch
+
+from mxrefit.bench.run import resolve_shape, run_mode
 
 
 def bench(*args: str, timeout_s: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -38,16 +44,18 @@ def test_bench_with_grouped_expert_slabs(tmp_path):
 
 
 def test_bench_checks_modes_price_verify_and_transactions(tmp_path):
-    """`--mode checks`: plain, the fused non-finite screen, per-bucket integrity sums, and a transactional engine, each bit-exact."""
+    """`--mode checks`: plain, ready messages one bucket behind, the fused non-finite screen, per-bucket integrity
+    sums, and a transactional engine, each bit-exact."""
     out = tmp_path / "checks.json"
     run = bench("--steps", "1", "--mode", "checks", "--post", "none", "--no-progress", "--json", str(out))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     modes = json.loads(out.read_text())["modes"]
-    assert list(modes) == ["prequant", "prequant-fused", "prequant-verify", "prequant-transactional"]
+    assert list(modes) == ["prequant", "prequant-one-behind", "prequant-fused", "prequant-verify", "prequant-transactional"]
     assert all(m["check"]["mismatched"] == [] for m in modes.values())
-    assert [m["check_finite"] for m in modes.values()] == [True, False, True, True]
-    assert [m["verify"] for m in modes.values()] == [False, False, True, False]
-    assert [m["engine_transactional"] for m in modes.values()] == [False, False, False, True]
+    assert [m["one_behind"] for m in modes.values()] == [False, True, False, False, False]
+    assert [m["check_finite"] for m in modes.values()] == [True, True, False, True, True]
+    assert [m["verify"] for m in modes.values()] == [False, False, False, True, False]
+    assert [m["engine_transactional"] for m in modes.values()] == [False, False, False, False, True]
 
 
 def test_bench_fp8_block_engine_bytes_match(tmp_path):
@@ -156,3 +164,24 @@ def test_bench_peer_checkpoint_engine_refuses_on_cpu_without_a_traceback():
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
     assert "--peer checkpoint-engine cannot run here: it needs CUDA" in run.stderr
     assert "this run's device is cpu" in run.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the engine process fails here by asking for CUDA on a host without it")
+def test_an_engine_process_that_dies_fails_the_bench_at_once():
+    """The engine process dies before it serves (here: no CUDA to bind; on an H100 on 2026-12-06, out
+    of memory): the bench raises at once naming it, where it used to wait 600 s for a hello."""
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"prequant engine process exited \(code 1\) before it served"):
+        run_mode(
+            "prequant",
+            resolve_shape("tiny-qwen3-moe"),
+            torch.device("cuda"),
+            {},
+            steps=1,
+            warmup=0,
+            bucket_bytes=1 << 20,
+            timeout_s=30,
+            experts="per_expert",
+            post="none",
+        )
+    assert time.monotonic() - start < 120

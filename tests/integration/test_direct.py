@@ -113,10 +113,11 @@ def test_direct_refits_land_exactly_and_staging_stays_small(post, direct_layout)
     """Per-expert names (the bench's default): with the kernel layouts advertised the trainer writes
     every TRT-LLM param in place, gate and up rows into their shared w13 regions, so nothing is
     staged; the two-pass path stages only the units in flight. Each layer's processing is slowed
-    so that the trainer runs as far ahead as its window lets it: a staging region freed too early
-    (the 2026-12-05 CI failure, one run in five) is overwritten on every run."""
+    and the sender runs one bucket behind (the furthest ahead a trainer writes), so that the trainer
+    runs as far ahead as its window lets it: a staging region freed too early (the 2026-12-05 CI
+    failure, one run in five) is overwritten on every run."""
     engine = LayoutEngineProc(post=post, direct_layout=direct_layout, process_delay_s=0.05)
-    sender = Sender(engine.address, engine.token, bucket_bytes=96 << 10)
+    sender = Sender(engine.address, engine.token, bucket_bytes=96 << 10, one_behind=True)
     try:
         for step, seed in enumerate((1, 2, 3)):
             weights = _weights(seed)
