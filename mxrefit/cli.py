@@ -45,6 +45,7 @@ def _bench(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         fmt=args.format,
         peers=tuple(args.peer),
+        trace=args.trace,
     )
     if layers:
         result = sweep(layers, **options)
@@ -126,6 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--experts", default="per_expert", choices=("per_expert", "grouped"), help="trainer's expert tensor layout")
     b.add_argument("--json", metavar="PATH", help="write every figure as one JSON object")
     b.add_argument("--plot", metavar="PATH", help="write a PNG of the phase breakdown (needs matplotlib)")
+    b.add_argument(
+        "--trace",
+        metavar="DIR",
+        help="after each mode's timed refits, one more under torch.profiler: its Chrome trace written to DIR "
+        "and the device's busy time against the span of its work printed (where a refit's device time goes)",
+    )
     b.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     if args.command == "bench":

@@ -6,6 +6,7 @@
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl2 pyzmq
 # Then one device call, carry [".old", ".whl2"]:  bash scripts/gpu_bench_ab.sh [ROUNDS] -- BENCH ARGS...
 # Runs baseline, this tree, baseline, this tree ... (ROUNDS pairs, default 1): each run measures its own copy floor.
+# TRACE=1 adds `--trace` to this tree's runs (one profiled refit per mode, traces in $OUT/traces_TAG_ROUND).
 # TAG names the files (bench_TAG_TREE_ROUND.*), so several models can run in one call:
 #   TAG=30b bash scripts/gpu_bench_ab.sh 2 -- --model qwen3-30b-a3b --mode checks --steps 5; TAG=32b bash scripts/gpu_bench_ab.sh -- --model qwen3-32b ...
 set -uo pipefail
@@ -25,7 +26,9 @@ for r in $(seq 1 $rounds); do
   for tree in baseline this; do
     dir=$root; [[ $tree == baseline ]] && dir=$root/.old
     f=$OUT/bench_${TAG:-ab}_${tree}_$r
-    (cd $dir && timeout ${BENCH_TIMEOUT:-300} python3 -m mxrefit bench --device cuda --no-progress --json $f.json "$@") > $f.log 2>&1
-    echo "== ${TAG:-ab} $tree, round $r (rc $?)"; grep -E "total, ms|quantize/pack|finite check|x copy floor|rate, GB/s|identical|Error" $f.log
+    extra=()  # TRACE=1: this tree also profiles one refit per mode (bench --trace; the baseline may predate it)
+    [[ -n ${TRACE:-} && $tree == this ]] && extra=(--trace $OUT/traces_${TAG:-ab}_$r)
+    (cd $dir && timeout ${BENCH_TIMEOUT:-300} python3 -m mxrefit bench --device cuda --no-progress --json $f.json "$@" ${extra[@]+"${extra[@]}"}) > $f.log 2>&1
+    echo "== ${TAG:-ab} $tree, round $r (rc $?)"; grep -E "total, ms|quantize/pack|finite check|x copy floor|rate, GB/s|identical|traced refit|Error" $f.log
   done
 done

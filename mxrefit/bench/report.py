@@ -128,6 +128,15 @@ def print_table(result: dict[str, Any], console: Console | None = None) -> None:
                 f"({check['parts_checked']} parts of {check['tensors_checked']} tensors, one per family; "
                 f"{check.get('kernel_layout_params_checked', 0)} params in the kernel layout)"
             )
+    for mode, m in result["modes"].items():
+        t = m.get("trace")
+        if t:
+            share = f" ({t['device_busy_ms'] / t['device_span_ms']:.0%})" if t["device_span_ms"] else ""
+            top = ", ".join(f"{k['name'][:40]} {k['ms']:.1f} ms x{k['count']}" for k in t["top_kernels"][:3])
+            console.print(
+                f"{mode} traced refit: {t['refit_ms']:.1f} ms; trainer device busy {t['device_busy_ms']:.1f} of "
+                f"{t['device_span_ms']:.1f} ms{share}; top kernels: {top or 'none'}; {t['path']}"
+            )
     for name, p in result.get("peers", {}).items():
         check = p["check"]
         verdict = (

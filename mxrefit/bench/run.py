@@ -38,12 +38,14 @@ import multiprocessing as mp
 import statistics
 import time
 from dataclasses import asdict, replace
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from mxrefit.bench.baseline import BaselineReceiver, BaselineSender, quantize_as
 from mxrefit.bench.peer import run_checkpoint_engine, unavailable
+from mxrefit.bench.trace import traced_refit
 from mxrefit.devices import bind, resolve
 from mxrefit.engine.layout import LayoutEngine
 from mxrefit.engine.receiver import Receiver
@@ -272,7 +274,10 @@ def run_mode(
     post: str,
     fmt: str = "mxfp8",
     on_step=None,
+    trace: Path | None = None,
 ) -> dict[str, Any]:
+    """One mode's refits against its own engine process; ``trace``: a file for one more refit under
+    the profiler (``bench.trace``), after the timed ones."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_engine_main, args=(child, shape, mode, str(device), timeout_s, experts, post, fmt), daemon=True)
@@ -323,6 +328,9 @@ def run_mode(
             if on_step is not None:
                 on_step()
         result: dict[str, Any] = {"mode": mode, "steps": [asdict(r) for r in reports]}
+        if trace is not None:
+            perturb(weights, warmup + steps)
+            result["trace"] = traced_refit(lambda: sender.refit(weights), trace, device)
         if prequant is not None:
             result["transport"] = prequant.transport
             result["verify"] = prequant.verify
@@ -378,10 +386,12 @@ def bench(
     progress: bool = True,
     fmt: str = "mxfp8",
     peers: tuple[str, ...] = (),
+    trace: str | None = None,
 ) -> dict[str, Any]:
     """Run the benchmark and return one JSON-able object with every figure. ``fmt``: the engine's
     quantized format (``FORMATS``); ``post`` None picks its default (``resolve_post``); ``peers``:
-    other projects' refit paths run on the same tensors after mxrefit's modes (``peer.PEERS``)."""
+    other projects' refit paths run on the same tensors after mxrefit's modes (``peer.PEERS``);
+    ``trace``: a folder for one profiled refit per mode (``trace_<model>_<mode>.json``)."""
     from rich.progress import Progress
 
     post = resolve_post(fmt, post)
@@ -415,6 +425,7 @@ def bench(
                 post=post,
                 fmt=fmt,
                 on_step=functools.partial(bar.advance, task),
+                trace=Path(trace) / f"trace_{shape.name}_{mode}.json" if trace else None,
             )
         peer_results = {}
         for peer in peers:

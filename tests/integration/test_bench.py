@@ -166,6 +166,20 @@ def test_bench_peer_checkpoint_engine_refuses_on_cpu_without_a_traceback():
     assert "this run's device is cpu" in run.stderr
 
 
+def test_bench_traces_one_refit_per_mode(tmp_path):
+    """`--trace DIR`: one more refit per mode under torch.profiler, its Chrome trace holding the refit's range,
+    and the device figures (none on a CPU) in the JSON and the printout."""
+    out, folder = tmp_path / "trace.json", tmp_path / "traces"
+    run = bench("--steps", "1", "--mode", "prequant", "--no-progress", "--json", str(out), "--trace", str(folder))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    t = json.loads(out.read_text())["modes"]["prequant"]["trace"]
+    events = json.loads((folder / "trace_tiny-qwen3-moe_prequant.json").read_text())["traceEvents"]
+    assert t["path"] == str(folder / "trace_tiny-qwen3-moe_prequant.json")
+    assert [e for e in events if e.get("name") == "mxrefit.refit"], "the refit's range is in the trace"
+    assert t["refit_ms"] > 0 and t["device_events"] == t["device_busy_ms"] == 0
+    assert "prequant traced refit:" in run.stdout
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the engine process fails here by asking for CUDA on a host without it")
 def test_an_engine_process_that_dies_fails_the_bench_at_once():
     """The engine process dies before it serves (here: no CUDA to bind; on an H100 on 2026-12-06, out
