@@ -20,8 +20,9 @@ engine does), then times, per kind and against a copy of the same bytes:
   sizes (Marlin's 16x64 tiles read 64 rows of 16 bytes each: the byte gather's loads touch ~8
   sectors per warp instruction there);
 and describes each index (the longest aligned run it moves whole; the 32-byte input sectors a warp's
-32 consecutive output bytes read; the input span of a 1,024-byte output block), so a faster kernel
-is aimed at what the layout is. Every variant's bytes are compared with vLLM's processing.
+32 consecutive output bytes read; the input span of a 1,024-byte output block; the smallest output
+group that reads whole 32-byte input blocks, which a trainer-side kernel writing the layout itself
+would handle per program), so a faster kernel is aimed at what the layout is. Every variant's bytes are compared with vLLM's processing.
 Ends with the estimate for a whole 48-layer refit, to set beside the headline's engine-side time.
 
     PYTHONPATH=/tmp/site:$PWD python3 scripts/gpu_gather_profile.py --json $OUT/gather.json     # vLLM on the path
@@ -147,9 +148,27 @@ def granule(index: torch.Tensor) -> int:
     return 1
 
 
-def shape_of(index: torch.Tensor, tiles: TiledIndex | None) -> dict:
+def write_group_bytes(index: torch.Tensor, block: int = 32, largest: int = 1 << 16) -> int | None:
+    """The smallest aligned output group (a power of two from ``block`` bytes up to ``largest`` and under
+    half the index, where it would be trivially true) in which every group reads whole ``block``-byte
+    input blocks, each once; None where no such size exists.
+    Why: a trainer-side kernel can write such a layout itself, one group per program, since a group
+    holds every value of the MXFP8 blocks it needs a scale for (docs/vllm.md, next design step)."""
+    idx = index.to(torch.int64)
+    size = block
+    while size <= min(largest, idx.numel() // 2):
+        if idx.numel() % size == 0:
+            runs = (idx.view(-1, size) // block).sort(dim=1).values.view(-1, size // block, block)
+            whole = bool((runs == runs[..., :1]).all())
+            if whole and bool((runs[:, 1:, 0] != runs[:, :-1, 0]).all()):
+                return size
+        size *= 2
+    return None
+
+
+def shape_of(index: torch.Tensor, tiles: TiledIndex | None, values: bool) -> dict:
     """Sectors per warp load and input span per 1,024-byte output block (means); ``tiles``: the index as a
-    ``TiledIndex``, if it is one."""
+    ``TiledIndex``, if it is one; ``values``: E4M3 bytes (for scale bytes a write group means nothing)."""
     idx = index.to(torch.int64)
     n = idx.numel() // 32 * 32
     warp = (idx[:n].view(-1, 32) // 32).sort(dim=1).values
@@ -164,6 +183,7 @@ def shape_of(index: torch.Tensor, tiles: TiledIndex | None) -> dict:
         "sectors_per_warp_load": float(sectors.float().mean()) if n else None,
         "input_span_per_1k_block": float(span.float().mean()) if m else None,
         "tile_period": tiles.period if tiles is not None else None,
+        "write_group_bytes": write_group_bytes(index) if values else None,
     }
 
 
@@ -288,7 +308,7 @@ def profile_kind(name: str, staged: Tensors, experts: int, process: Callable[[Te
         dst = torch.empty(experts, g.out_bytes, dtype=torch.uint8, device=dev)
         ref = want[attr].reshape(-1).view(torch.uint8).view(experts, -1)
         tiles = None if g.identity else TiledIndex.of(g.index)
-        info = {"identity": g.identity, "kernel": g.kernel, **({} if g.identity else shape_of(g.index, tiles))}
+        info = {"identity": g.identity, "kernel": g.kernel, **({} if g.identity else shape_of(g.index, tiles, "scale" not in attr))}
         info["rows"] = variants(g, src, dst, ref, dev, bool(info.get("is_permutation")), tiles)
         out["tensors"][attr] = info
     print(

@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.slow
 
@@ -67,6 +68,11 @@ def test_gather_profile_script(tmp_path, interpret, monkeypatch):
     tensors = [t for kind in report["kinds"].values() for t in kind["tensors"].values()]
     assert tensors and not any(t["identity"] for t in tensors)  # the stand-ins permute: the gather is exercised
     assert report["all_equal"] is True
+    # the stand-in moves 4x4-byte tiles, rows of a tile in turn: 4 rows x 32 bytes is the first whole-block group
+    assert {a: t["write_group_bytes"] for a, t in report["kinds"]["dense"]["tensors"].items()} == {
+        "weight": 128,
+        "weight_scale": None,
+    }
     rows = {name for t in tensors for name, row in t["rows"].items() if "bytes_equal" in row}
     if interpret:
         for variant in (
@@ -80,3 +86,20 @@ def test_gather_profile_script(tmp_path, interpret, monkeypatch):
             assert variant in rows, (variant, sorted(rows))
     else:
         assert rows == {"library"}
+
+
+def test_write_group_finds_whole_blocks_and_refuses_a_scatter():
+    """The profile's write-group size on known indices: identity (every 32 bytes whole), a permutation of whole
+    blocks, the 4-row tile of the CPU stand-in, and a random byte permutation (no size) as the negative control."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_gather_profile", "scripts/gpu_gather_profile.py")
+    profile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile)
+    n = 4096
+    assert profile.write_group_bytes(torch.arange(n)) == 32
+    blocks = torch.randperm(n // 32, generator=torch.Generator().manual_seed(0))
+    assert profile.write_group_bytes((blocks[:, None] * 32 + torch.arange(32)).reshape(-1)) == 32
+    rows = torch.arange(n).view(16, 256)  # 16 rows of 256 bytes, 4-row tiles read down columns of 4-byte words
+    assert profile.write_group_bytes(rows.view(4, 4, 64, 4).permute(0, 2, 1, 3).reshape(-1)) == 128  # 8 words x 4 rows
+    assert profile.write_group_bytes(torch.randperm(n, generator=torch.Generator().manual_seed(1))) is None
