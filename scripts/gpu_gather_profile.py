@@ -308,7 +308,11 @@ def profile_kind(name: str, staged: Tensors, experts: int, process: Callable[[Te
         dst = torch.empty(experts, g.out_bytes, dtype=torch.uint8, device=dev)
         ref = want[attr].reshape(-1).view(torch.uint8).view(experts, -1)
         tiles = None if g.identity else TiledIndex.of(g.index)
-        info = {"identity": g.identity, "kernel": g.kernel, **({} if g.identity else shape_of(g.index, tiles, "scale" not in attr))}
+        info = {
+            "identity": g.identity,
+            "kernel": g.kernel,
+            **({} if g.identity else shape_of(g.index, tiles, "scale" not in attr)),
+        }
         info["rows"] = variants(g, src, dst, ref, dev, bool(info.get("is_permutation")), tiles)
         out["tensors"][attr] = info
     print(
