@@ -136,7 +136,7 @@ fi
 if has bench; then
   wheels
   {
-    python3 -m pytest -q -p no:cacheprovider tests/integration/test_buffers.py -k "owner or exporting" > $RES/pytest_same_process.log 2>&1
+    python3 -m pytest -q -p no:cacheprovider tests/integration/test_buffers.py tests/unit/test_bucket_flags.py -k "owner or exporting or marked" > $RES/pytest_same_process.log 2>&1
     b() { local tag=$1; shift; timeout ${BENCH_TIMEOUT:-200} python3 -m mxrefit bench --device cuda --no-progress --model qwen3-30b-a3b \
       --json $RES/bench_$tag.json "$@" > $RES/bench_$tag.log 2>&1; }
     # all 48 layers need the H200's memory (61 GB of BF16 beside the engine); an 80 GB H100 runs 24 and sweeps to 24

@@ -96,9 +96,11 @@ class _BucketFlags:
         self.marked = [False, False]
 
     def cell(self, i: int) -> torch.Tensor:
-        """Bucket ``i``'s cell, cleared (an aborted refit leaves its flag behind)."""
+        """Bucket ``i``'s cell, cleared and unmarked (an aborted refit leaves its flag, and its mark, behind:
+        a stream's refit after an aborted one-behind refit must not read the old bucket's copy)."""
         c = self.cells[i % 2 : i % 2 + 1]
         c.fill_(NO_BAD)
+        self.marked[i % 2] = False
         return c
 
     def mark(self, i: int) -> None:
@@ -114,7 +116,6 @@ class _BucketFlags:
         if the bucket was marked, else for everything queued."""
         k = i % 2
         if self.marked[k]:
-            self.marked[k] = False
             self.events[k].synchronize()
             return first_bad(self.host[k : k + 1])
         return first_bad(self.cells[k : k + 1])
