@@ -22,7 +22,8 @@ engine does), then times, per kind and against a copy of the same bytes:
 and describes each index (the longest aligned run it moves whole; the 32-byte input sectors a warp's
 32 consecutive output bytes read; the input span of a 1,024-byte output block; the smallest output
 group that reads whole 32-byte input blocks, which a trainer-side kernel writing the layout itself
-would handle per program), so a faster kernel is aimed at what the layout is. Every variant's bytes are compared with vLLM's processing.
+would handle per program), so a faster kernel is aimed at what the layout is. Every variant's bytes
+are compared with vLLM's processing.
 Ends with the estimate for a whole 48-layer refit, to set beside the headline's engine-side time.
 
     PYTHONPATH=/tmp/site:$PWD python3 scripts/gpu_gather_profile.py --json $OUT/gather.json     # vLLM on the path

@@ -288,9 +288,9 @@ class QuantizeGroup:
     Destinations are fixed (views of a persistent transfer buffer), so their addresses are
     tabled at construction; source addresses are re-sent only when they change. With
     ``layouts`` (per tensor: the values' and the scales' ``KernelLayout`` or None) every block
-    is written in its kernel layout (``_layout_group_kernel``); scale parts whose tiles are padded are zeroed first (one
-    ``_foreach_zero_``), since the kernel writes data bytes only (never a shared region:
-    ``check_layouts`` refuses padding there).
+    is written in its kernel layout (``_layout_group_kernel``); scale parts whose tiles are padded
+    are zeroed first (one ``_foreach_zero_``), since the kernel writes data bytes only (never a
+    shared region: ``check_layouts`` refuses padding there).
     """
 
     def __init__(
