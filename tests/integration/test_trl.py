@@ -9,10 +9,11 @@ trainer's process and sets up vLLM's distributed state once per process): a real
   sampled token) stays under ``MAX_LOGP_DIFF``;
 - after the last refit, vLLM's greedy tokens and the log-probabilities of prompt + completion
   equal, exactly, what vLLM computes after its own ``reload_weights`` of TRL's parameter walk
-  (MXFP8: quantized as a ModelOpt checkpoint); and equal HF greedy on the trainer's weights as
-  vLLM holds them (BF16, or MXFP8 round-tripped), log-probabilities within ``HF_LOGPROB_ATOL``.
+  (MXFP8: quantized as a ModelOpt checkpoint); and, against HF's forward on the trainer's weights
+  as vLLM holds them (BF16, or MXFP8 round-tripped), each greedy token is HF's best choice and
+  each log-probability HF's, within ``HF_LOGPROB_ATOL``.
 The control runs the same with refits disabled (vLLM keeps the step-0 weights) and must fail
-the refit, log-probability and reload checks.
+the refit, log-probability, reload and HF checks.
 
 Server mode (``vllm_mode="server"``) runs in this process against a real vLLM server process
 (``vllm_server``) with the ``mxrefit`` weight-transfer backend: the same refit and
@@ -105,8 +106,11 @@ def check_reload(result: dict) -> None:
 
 
 def check_hf(result: dict) -> None:
+    """vLLM's greedy tokens are HF's greedy choices up to rounding, and its log-probabilities
+    are HF's within BF16 tolerance, HF reading vLLM's completions (tests/helpers/vllm_models.py:
+    on hosts whose vLLM kernels round unlike torch, a near-tie may fork the two greedy paths)."""
     engine, hf = result["engine"], result["hf"]
-    assert engine["tokens"] == hf["tokens"]
+    assert hf["greedy_gap"] < HF_LOGPROB_ATOL, f"a greedy token lies {hf['greedy_gap']:.3f} below HF's best"
     assert largest_gap(engine["logprobs"], hf["logprobs"]) < HF_LOGPROB_ATOL
 
 
@@ -123,7 +127,7 @@ def test_grpo_trainer_refits_vllm_through_mxrefit(tmp_path, fmt):
     check_hf(result)
 
     control = run_example(tmp_path, "--format", fmt, "--sync", "none")
-    for check in (lambda r: check_refits(r, fmt), lambda r: check_logp(r, fmt), check_reload):
+    for check in (lambda r: check_refits(r, fmt), lambda r: check_logp(r, fmt), check_reload, check_hf):
         with pytest.raises(AssertionError):
             check(control)
 

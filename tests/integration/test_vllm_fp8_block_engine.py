@@ -73,7 +73,7 @@ def fp8_engine(tmp_path_factory):
     vm.stop_llm(llm)
 
 
-def test_fp8_block_refits_follow_real_training(fp8_engine):
+def test_fp8_block_refits_follow_real_training(fp8_engine, tmp_path):
     llm, initial = fp8_engine
     info = llm.collective_rpc("mxrefit_init")[0]
     assert info["slow_path"] == 0, "a dense Qwen3 must take the table path, not vLLM's loader"
@@ -98,6 +98,8 @@ def test_fp8_block_refits_follow_real_training(fp8_engine):
         assert llm.collective_rpc("mxrefit_kernel_state")[0] == before
     finally:
         sender.close()
+    save_fp8_block_checkpoint(trainer, str(tmp_path))
+    vm.assert_same_as_fresh(llm, lambda: vm.start_llm(str(tmp_path), worker_extension_cls=EXTENSION))
 
 
 def test_fp8_block_ue8m0_scales_on_the_wire(fp8_engine):

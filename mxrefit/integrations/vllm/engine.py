@@ -418,6 +418,21 @@ def _state_beside_params(module: torch.nn.Module, written: Iterable[str]) -> dic
     return out
 
 
+def _sha256(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
+
+
+@torch.no_grad()
+def _cpu_kernel_output(module: torch.nn.Module) -> torch.Tensor:
+    """The output of a CPU-dispatched linear's own kernel (``module.cpu_linear``, set by vLLM's
+    CPU GEMM dispatch) on a fixed input: what the kernel computes from whatever copy it holds."""
+    weight = module.weight
+    sizes = (getattr(module, a, None) for a in ("input_size_per_partition", "input_size", "embedding_dim"))
+    features = next((int(v) for v in sizes if v), weight.shape[-1])
+    probe = torch.randn(4, features, generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+    return module.cpu_linear(probe, weight, getattr(module, "bias", None))
+
+
 def _plain_kernel_tensors(module: torch.nn.Module) -> dict[tuple[str, ...], torch.Tensor]:
     """Tensors post-load processing holds as plain attributes (not parameters or buffers, which
     the reload copies back in place) of the module, its quant method and the vLLM objects they
@@ -905,14 +920,22 @@ class VllmEngine(Engine):
         return live.detach().reshape(-1).view(torch.uint8)
 
     def kernel_state(self, names: Iterable[str] | None = None) -> dict[str, dict]:
-        """sha256, shape and dtype of the live (kernel-format) parameters, for checks from outside."""
+        """sha256, shape and dtype of the live (kernel-format) parameters, for checks from outside.
+
+        vLLM's CPU build may run a linear from a copy packed inside its kernel (oneDNN, AMX
+        packed GEMM) and leave ``weight`` empty or unread; the weight's entry then also holds
+        ``kernel_output``, the digest of that kernel's output on a fixed input, so a stale or
+        wrong packed copy is seen where the parameter's bytes cannot show it."""
         wanted = None if names is None else set(names)
         out = {}
         for name, p in self.model.named_parameters():
             if wanted is not None and name not in wanted:
                 continue
-            data = p.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
-            out[name] = {"sha256": hashlib.sha256(data).hexdigest(), "shape": list(p.shape), "dtype": str(p.dtype)}
+            out[name] = {"sha256": _sha256(p), "shape": list(p.shape), "dtype": str(p.dtype)}
+        for mname, module in self.model.named_modules():
+            name = f"{mname}.weight" if mname else "weight"
+            if name in out and callable(getattr(module, "cpu_linear", None)):
+                out[name]["kernel_output"] = _sha256(_cpu_kernel_output(module))
         return out
 
     def kernel_addresses(self) -> dict[str, int]:
