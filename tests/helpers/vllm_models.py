@@ -111,16 +111,6 @@ def train_steps(model, steps: int, *, seed: int, lr: float = 3e-3) -> None:
 
 
 @torch.no_grad()
-def hf_greedy(model, prompts=PROMPTS, new_tokens: int = 8) -> list[list[int]]:
-    out = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        gen = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-        out.append(gen[0, len(p) :].tolist())
-    return out
-
-
-@torch.no_grad()
 def hf_prompt_logprobs(model, prompts=PROMPTS) -> list[list[float]]:
     out = []
     for p in prompts:

@@ -2,8 +2,9 @@
 
 Each engine is a real ``vllm.LLM`` whose worker runs mxrefit's extension; the trainer is a
 transformers model trained with AdamW on a toy task between refits. After every refit vLLM's
-greedy tokens must equal the trainer's, its prompt logprobs must match within BF16
-tolerance, and the refit must have changed what vLLM generates.
+greedy tokens must be the trainer's greedy choices (``vm.greedy_gap``), its prompt logprobs must
+match within BF16 tolerance, and the refit must have changed what vLLM generates; after the
+last, tokens, logprobs and kernel state must equal a fresh vLLM's started from the same weights.
 """
 
 from __future__ import annotations
@@ -248,6 +249,34 @@ def test_a_float32_engine_takes_the_fast_path(float32_engine):
     name = "model.embed_tokens.weight"
     kernel = llm.collective_rpc("mxrefit_kernel_state", kwargs={"names": [name]})[0][name]
     assert kernel["sha256"] == vm.sha256_of(dict(trainer.named_parameters())[name]) and kernel["dtype"] == "torch.float32"
+
+
+def _lm_head_kernel_doubled(worker, on: bool) -> None:
+    """The lm_head's CPU GEMM computes from a copy other than its parameter (a stale packed copy)."""
+    head = worker._mxrefit.engine.model.get_submodule("lm_head")
+    if on:
+        own = head.cpu_linear
+        head._own_cpu_linear = own
+        head.cpu_linear = lambda x, w, b: own(x, w, b) * 2
+    else:
+        head.cpu_linear = head._own_cpu_linear
+
+
+def test_kernel_state_digests_what_a_cpu_kernel_computes_not_only_its_parameter(float32_engine):
+    """vLLM's CPU GEMMs may hold a packed copy of the weight: ``kernel_output`` must change when
+    the kernel's result does, though the parameter's bytes stay the same."""
+    llm = float32_engine
+    llm.collective_rpc("mxrefit_init")
+    name = "lm_head.weight"
+    before = llm.collective_rpc("mxrefit_kernel_state", kwargs={"names": [name]})[0][name]
+    llm.collective_rpc(_lm_head_kernel_doubled, args=(True,))
+    try:
+        after = llm.collective_rpc("mxrefit_kernel_state", kwargs={"names": [name]})[0][name]
+    finally:
+        llm.collective_rpc(_lm_head_kernel_doubled, args=(False,))
+    assert after["sha256"] == before["sha256"] and after["kernel_output"] != before["kernel_output"]
+    assert llm.collective_rpc("mxrefit_kernel_state", kwargs={"names": [name]})[0][name] == before
+    llm.collective_rpc("mxrefit_close")
 
 
 def _double_the_final_norm_after_processing(worker) -> None:

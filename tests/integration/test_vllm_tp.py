@@ -5,8 +5,9 @@ each running mxrefit's worker extension: every worker builds the whole-model tab
 own slices from vLLM's parallel state, and serves its own ``Receiver``. The trainer is this
 process: a transformers model trained with AdamW between refits, sent by one
 ``BroadcastSender`` over gloo to both workers. After every refit vLLM's greedy tokens must
-equal the trainer's, prompt logprobs match within BF16 tolerance, and every kernel parameter
-served in the checkpoint's layout must hold exactly the rank's slice of the trainer's bytes.
+be the trainer's greedy choices (``vm.greedy_gap``), prompt logprobs match within BF16 tolerance,
+and every kernel parameter served in the checkpoint's layout must hold exactly the rank's slice
+of the trainer's bytes; after the last, everything equals a fresh vLLM started from the same weights.
 """
 
 from __future__ import annotations

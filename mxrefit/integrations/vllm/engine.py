@@ -426,11 +426,12 @@ def _sha256(t: torch.Tensor) -> str:
 def _cpu_kernel_output(module: torch.nn.Module) -> torch.Tensor:
     """The output of a CPU-dispatched linear's own kernel (``module.cpu_linear``, set by vLLM's
     CPU GEMM dispatch) on a fixed input: what the kernel computes from whatever copy it holds."""
-    weight = module.weight
+    weight: torch.Tensor = getattr(module, "weight")
+    kernel: Callable[..., torch.Tensor] = getattr(module, "cpu_linear")
     sizes = (getattr(module, a, None) for a in ("input_size_per_partition", "input_size", "embedding_dim"))
     features = next((int(v) for v in sizes if v), weight.shape[-1])
     probe = torch.randn(4, features, generator=torch.Generator().manual_seed(0)).to(weight.dtype)
-    return module.cpu_linear(probe, weight, getattr(module, "bias", None))
+    return kernel(probe, weight, getattr(module, "bias", None))
 
 
 def _plain_kernel_tensors(module: torch.nn.Module) -> dict[tuple[str, ...], torch.Tensor]:
