@@ -113,3 +113,24 @@ def test_an_engine_in_float16_or_float32_gets_the_fast_path(dtype, fmt):
     assert dests["model.norm.weight"].targets[0].dtype == dtype
     # a bfloat16 table would have sent every unquantized parameter to the slow path
     assert any("table says" in p for p in _fast_tables(SHAPE, live, "grouped")[2])
+
+
+def test_the_kernel_output_digest_is_what_the_kernel_computes_and_names_a_kernel_that_fails():
+    """``kernel_state``'s digest of a CPU GEMM (vLLM's ``cpu_linear``) on its fixed probe: the
+    kernel's own result, whatever the parameter holds; a kernel that raises is named, not raised."""
+    from mxrefit.integrations.vllm.engine import _cpu_kernel_digest, _cpu_kernel_output
+
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(torch.randn(6, 8, dtype=BF16), requires_grad=False)
+    layer.cpu_linear = lambda x, w, b: torch.nn.functional.linear(x, w, b)
+    plain = _cpu_kernel_digest(layer)
+    assert _cpu_kernel_digest(layer) == plain
+    packed = layer.weight.detach().clone()
+    layer.weight = torch.nn.Parameter(torch.empty(0, dtype=BF16), requires_grad=False)
+    layer.input_size_per_partition = 8  # a packed kernel: the parameter is gone, the kernel holds a copy
+    layer.cpu_linear = lambda x, w, b: torch.nn.functional.linear(x, packed, b)
+    assert _cpu_kernel_digest(layer) == plain and _cpu_kernel_output(layer).shape == (4, 6)
+    layer.cpu_linear = lambda x, w, b: torch.nn.functional.linear(x, packed * 2, b)  # a stale copy
+    assert _cpu_kernel_digest(layer) != plain
+    layer.cpu_linear = lambda x, w, b: torch.nn.functional.linear(x, w, b)  # reads the empty parameter
+    assert _cpu_kernel_digest(layer).startswith("not run: RuntimeError")

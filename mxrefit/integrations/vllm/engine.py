@@ -422,6 +422,15 @@ def _sha256(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
 
 
+def _cpu_kernel_digest(module: torch.nn.Module) -> str:
+    """sha256 of ``_cpu_kernel_output``; a kernel that cannot run on the probe is named instead
+    (a check must not fail the refit it checks)."""
+    try:
+        return _sha256(_cpu_kernel_output(module))
+    except Exception as e:  # noqa: BLE001 - any kernel error: report it, the refit goes on
+        return f"not run: {type(e).__name__}: {e}"
+
+
 @torch.no_grad()
 def _cpu_kernel_output(module: torch.nn.Module) -> torch.Tensor:
     """The output of a CPU-dispatched linear's own kernel (``module.cpu_linear``, set by vLLM's
@@ -936,7 +945,7 @@ class VllmEngine(Engine):
         for mname, module in self.model.named_modules():
             name = f"{mname}.weight" if mname else "weight"
             if name in out and callable(getattr(module, "cpu_linear", None)):
-                out[name]["kernel_output"] = _sha256(_cpu_kernel_output(module))
+                out[name]["kernel_output"] = _cpu_kernel_digest(module)
         return out
 
     def kernel_addresses(self) -> dict[str, int]:
