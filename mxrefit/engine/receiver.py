@@ -28,7 +28,16 @@ from mxrefit.devices import sync_current
 from mxrefit.engine.base import Engine
 from mxrefit.engine.shards import check_shards, local_nbytes, run_copies, strided
 from mxrefit.errors import MxrefitError
-from mxrefit.plan.build import Bucket, PlanMismatch, RefitPlan, align, build_plan, sources_from_msg, tables_to_msg
+from mxrefit.plan.build import (
+    WRITE_AHEAD,
+    Bucket,
+    PlanMismatch,
+    RefitPlan,
+    align,
+    build_plan,
+    sources_from_msg,
+    tables_to_msg,
+)
 from mxrefit.transport.base import LandInit, LandPath
 from mxrefit.transport.buffers import TransportError
 from mxrefit.transport.bytesum import ByteSum
@@ -217,7 +226,10 @@ class Receiver:
         sources = sources_from_msg(msg["sources"])
         bucket_bytes = check_int(msg["bucket_bytes"], "bucket_bytes", 1, MAX_BUFFER_BYTES)
         slots = check_int(msg["slots"], "slots", 1, MAX_BUFFERS)
-        plan = build_plan(sources, self._params, self._destinations, bucket_bytes=bucket_bytes, slots=slots)
+        write_ahead = check_int(msg.get("write_ahead", 0), "write_ahead", 0, WRITE_AHEAD)
+        plan = build_plan(
+            sources, self._params, self._destinations, bucket_bytes=bucket_bytes, slots=slots, write_ahead=write_ahead
+        )
         if plan.digest != msg["digest"]:
             raise ValueError(
                 f"plan digest {str(msg['digest'])[:12]} from the trainer differs from the engine's {plan.digest[:12]}"

@@ -81,9 +81,11 @@ class Bucket:
 
 
 WRITE_AHEAD = 1
-"""Buckets a trainer writing straight from a mapping may be ahead of its ``slots`` window: its
-"ready" messages go out one bucket behind (``Sender.refit``), so it starts bucket *i* once bucket
-*i - slots - 1* was applied. Both sides read the window from ``RefitPlan.window``."""
+"""Buckets a trainer that sends one behind (``Sender(one_behind=True)``) may be ahead of its
+``slots`` window: its "ready" messages go out one bucket behind, so it starts bucket *i* once
+bucket *i - slots - 1* was applied. The plan carries it (``RefitPlan.write_ahead``: 0 for every
+other trainer), and both sides read the window from ``RefitPlan.window``, so an engine's staging
+holds that extra bucket only for a trainer that writes it."""
 
 
 @dataclass
@@ -94,6 +96,7 @@ class RefitPlan:
     bucket_bytes: int
     slots: int
     digest: str
+    write_ahead: int = 0  # buckets past ``slots`` the trainer may write ahead (``WRITE_AHEAD`` or 0)
 
     @property
     def window(self) -> int:
@@ -102,7 +105,7 @@ class RefitPlan:
         Why it matters: whatever the engine keeps per bucket (a staging region awaiting its layer's
         processing) must outlive it, or the trainer writes the next layer over bytes not yet read.
         """
-        return self.slots + WRITE_AHEAD
+        return self.slots + self.write_ahead
 
     @property
     def total_bytes(self) -> int:
@@ -214,8 +217,11 @@ def build_plan(
     *,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     slots: int = 2,
+    write_ahead: int = 0,
 ) -> RefitPlan:
     """Validate and lay out a refit; raises PlanMismatch listing every problem."""
+    if write_ahead not in (0, WRITE_AHEAD):
+        raise ValueError(f"write_ahead must be 0 or {WRITE_AHEAD}, got {write_ahead}")
     _check(sources, params, destinations)
     targets = {i: list(destinations[s.name].targets) for i, s in enumerate(sources)}
     regions = shared_regions(targets)
@@ -238,8 +244,8 @@ def build_plan(
         _layout(b, targets, param_rank)
     formats = [destinations[s.name].format for s in sources]
     layouts = [[i, r, t.layout.to_msg()] for i, ts in targets.items() for r, t in enumerate(ts) if t.layout is not None]
-    digest = _digest(sources, formats, buckets, bucket_bytes, slots, layouts)
-    return RefitPlan(sources, formats, buckets, bucket_bytes, slots, digest)
+    digest = _digest(sources, formats, buckets, bucket_bytes, slots, layouts, write_ahead)
+    return RefitPlan(sources, formats, buckets, bucket_bytes, slots, digest, write_ahead)
 
 
 def _footprint(span: range, targets: dict[int, list[Target]]) -> int:
@@ -257,16 +263,24 @@ def _footprint(span: range, targets: dict[int, list[Target]]) -> int:
 
 
 def _digest(
-    sources: list[SourceSpec], formats: list[str], buckets: list[Bucket], bucket_bytes: int, slots: int, layouts: list
+    sources: list[SourceSpec],
+    formats: list[str],
+    buckets: list[Bucket],
+    bucket_bytes: int,
+    slots: int,
+    layouts: list,
+    write_ahead: int,
 ) -> str:
-    """sha256 of everything both sides must agree on; kernel layouts enter only where there are
-    some, so a plan without them keeps the digest it always had."""
+    """sha256 of everything both sides must agree on; kernel layouts and a write-ahead enter
+    only where there are some, so a plan without them keeps the digest it always had."""
     h = hashlib.sha256()
     h.update(msgpack.packb([bucket_bytes, slots, [[s.name, list(s.shape), dtype_name(s.dtype)] for s in sources], formats]))
     for b in buckets:
         h.update(msgpack.packb([b.slot, b.sources, [[r.offset, r.param, r.param_offset, r.nbytes] for r in b.runs]]))
     if layouts:
         h.update(msgpack.packb(["kernel layouts", layouts]))
+    if write_ahead:
+        h.update(msgpack.packb(["write ahead", write_ahead]))
     return h.hexdigest()
 
 

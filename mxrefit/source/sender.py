@@ -17,7 +17,8 @@ launch per format + a "ready" message; the engine answers "applied" once the buc
 are in place (and processed, for engines that post-process), and bucket *i* is encoded only
 after bucket *i - slots* was applied. With ``one_behind=True``, direct writes from a mapping send
 their "ready" messages one bucket behind and start bucket *i* once *i - slots - 1* was applied
-(``RefitPlan.window``, which the engine's staging honours in either case).
+(``RefitPlan.window``; such a trainer's plan carries the extra bucket, ``write_ahead``, so the
+engine's staging keeps each layer's region that bucket longer, and only for it).
 
 ``refit`` also takes a stream of ``(name, tensor)`` pairs in the plan's order (e.g. FSDP2
 ``full_tensor()`` per parameter): tensors are then pulled bucket by bucket and dropped after
@@ -45,6 +46,7 @@ from mxrefit.formats.finite_check import FiniteCheck
 from mxrefit.formats.kernel_layout import KernelLayout
 from mxrefit.plan.build import (
     DEFAULT_BUCKET_BYTES,
+    WRITE_AHEAD,
     Bucket,
     PlanMismatch,
     RefitPlan,
@@ -317,7 +319,10 @@ class Sender:
         params, destinations = self._tables if self._tables is not None else self.connect()
         if self.rules is not None:
             check_rules(self.rules, destinations)
-        plan = build_plan(list(specs), params, destinations, bucket_bytes=self.bucket_bytes, slots=self.slots)
+        write_ahead = WRITE_AHEAD if self.one_behind else 0
+        plan = build_plan(
+            list(specs), params, destinations, bucket_bytes=self.bucket_bytes, slots=self.slots, write_ahead=write_ahead
+        )
         path = self._wire()
         plan_id = secrets.token_hex(8)  # names this adoption: the engine refuses a begin from a trainer planned earlier
         msg = {
@@ -326,6 +331,7 @@ class Sender:
             "sources": sources_to_msg(plan.sources),
             "bucket_bytes": plan.bucket_bytes,
             "slots": plan.slots,
+            "write_ahead": plan.write_ahead,
             "digest": plan.digest,
             "verify": self.verify,
         }
@@ -486,7 +492,8 @@ class Sender:
             # need not idle between buckets for the host's turn-around (on the H200 on 2026-12-05, with a
             # host sync per bucket, packing ran at ~55% of the copy rate against 84-97% for the kernels
             # alone). The wait below lags one too (``plan.window``), and the engine's staging keeps a layer's
-            # region that one bucket longer, since the trainer writes that far ahead of "applied". A stream
+            # region that one bucket longer (the plan's ``write_ahead``), since the trainer writes that far
+            # ahead of "applied". A stream
             # finishes each bucket at once (it holds one bucket's tensors at a time); so do slots, where
             # bucket i + 1's slot is free only once bucket i + 1 - slots was applied.
             behind = self.one_behind and stream is None and path.buffers is None

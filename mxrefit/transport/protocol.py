@@ -205,6 +205,7 @@ REQUESTS: dict[str, dict[str, tuple[Any, bool]]] = {
         "sources": (_LIST, True),
         "bucket_bytes": (_INT, True),
         "slots": (_INT, True),
+        "write_ahead": (_INT, False),
         "digest": (_STR, True),
         "plan_id": (_optional(_STR), False),
         "transport": (_STR, False),

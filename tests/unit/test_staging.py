@@ -41,12 +41,13 @@ def test_disjoint_intervals_reuse_the_same_bytes():
     assert offsets == [0, 0, 0] and total == 1024
 
 
-def _layout_plan(layers: int, bucket_bytes: int, slots: int = 2):
+def _layout_plan(layers: int, bucket_bytes: int, slots: int = 2, write_ahead: int = 0):
     shape = replace(BUILTIN["tiny-qwen3-moe"], layers=layers)
     params = vllm_params(shape, mxfp8=True)
     dests = vllm_destinations(shape, mxfp8=True)
     specs = [SourceSpec(n, s, dt) for n, s, dt in hf_tensor_specs(shape)]
-    return shape, params, dests, build_plan(specs, params, dests, bucket_bytes=bucket_bytes, slots=slots)
+    plan = build_plan(specs, params, dests, bucket_bytes=bucket_bytes, slots=slots, write_ahead=write_ahead)
+    return shape, params, dests, plan
 
 
 def test_units_are_processed_once_right_after_their_last_bucket():
@@ -129,16 +130,34 @@ def _clashes(plan, pool, units, ahead: int) -> list[tuple[int, str, str]]:
     return clashes
 
 
+@pytest.mark.parametrize("write_ahead", [0, 1], ids=["in-step", "one-behind"])
 @pytest.mark.parametrize("bucket_kb,slots", [(64, 2), (96, 2), (96, 3), (256, 2), (1024, 2)])
-def test_staged_regions_outlive_the_trainers_write_window(bucket_kb, slots):
-    """The trainer writing from a mapping starts bucket i once bucket i - slots - 1 was applied
-    (``plan.window``): no layer it writes may land on a layer still waiting to be processed.
-    Negative control: a trainer one bucket further ahead does clash on these plans, so the replay
-    can see a clash (the 2026-12-05 CI failure: staging kept regions for ``slots`` buckets only)."""
-    shape, params, dests, plan = _layout_plan(layers=12, bucket_bytes=bucket_kb << 10, slots=slots)
+def test_staged_regions_outlive_the_trainers_write_window(bucket_kb, slots, write_ahead):
+    """A trainer starts bucket i once bucket i - slots - write_ahead was applied (``plan.window``;
+    a one-behind sender writes one further): no layer it writes may land on a layer still waiting
+    to be processed. Negative control: a trainer one bucket further ahead does clash on these
+    plans, so the replay can see a clash (the 2026-12-05 CI failure: a one-behind trainer on
+    staging that kept regions for ``slots`` buckets only)."""
+    shape, params, dests, plan = _layout_plan(layers=12, bucket_bytes=bucket_kb << 10, slots=slots, write_ahead=write_ahead)
     k = vllm_mxfp8_kernel_tables(shape, params, dests, torch.device("cpu"), direct=False)
     pool = StagingPool(k.params, k.units, torch.device("cpu"))
     pool.place(plan)
-    assert plan.window == slots + 1
+    assert plan.window == slots + write_ahead
     assert _clashes(plan, pool, k.units, ahead=plan.window) == []
     assert _clashes(plan, pool, k.units, ahead=plan.window + 1) != []
+
+
+def test_an_in_step_trainer_costs_the_engine_a_smaller_pool():
+    """Staging keeps the extra bucket only for a one-behind trainer (``write_ahead``): an in-step
+    trainer's plan leaves the pool smaller, and the two plans' digests differ, so an engine and a
+    trainer that disagree on it refuse the plan instead of racing."""
+    sizes, digests = {}, {}
+    for write_ahead in (0, 1):
+        shape, params, dests, plan = _layout_plan(layers=12, bucket_bytes=96 << 10, write_ahead=write_ahead)
+        k = vllm_mxfp8_kernel_tables(shape, params, dests, torch.device("cpu"), direct=False)
+        pool = StagingPool(k.params, k.units, torch.device("cpu"))
+        pool.place(plan)
+        sizes[write_ahead], digests[write_ahead] = pool.pool_bytes, plan.digest
+    assert sizes[0] < sizes[1] and digests[0] != digests[1]
+    with pytest.raises(ValueError, match="write_ahead must be 0 or 1"):
+        _layout_plan(layers=2, bucket_bytes=96 << 10, write_ahead=2)
