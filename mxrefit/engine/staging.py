@@ -12,7 +12,7 @@ parameters and a ``process`` callable that reads them and writes the kernel tens
 ``place(plan)`` gives every unit a region of one pool such that two units share bytes only
 if one is processed before the trainer can start writing the other. The trainer writes
 bucket *i* once the engine has processed bucket *i - window* (``RefitPlan.window``: the
-slots, plus one for direct writes that finish each bucket one behind), so a unit written in
+slots, plus one where the plan says the trainer sends one behind, ``write_ahead``), so a unit written in
 buckets [first, last] holds its region from ``first`` until ``last + window - 1`` in the
 trainer's bucket clock.
 ``after_bucket(i)`` processes the units whose last bucket is *i*. With ``deferred=True``
