@@ -129,11 +129,14 @@ def hf_outputs(model: torch.nn.Module, prompts: list[list[int]], completions: li
     """HF's forward over the engine's prompt + completion: its log-probability of every token,
     and how far each completion token lies below HF's own best choice there ("greedy_gap"), so
     a near-tie that the two kernel stacks round apart does not fork the comparison."""
-    seqs = torch.tensor([p + c for p, c in zip(prompts, completions)])
-    lp = torch.log_softmax(model(input_ids=seqs).logits[:, :-1].float(), dim=-1)
-    taken = lp.gather(2, seqs[:, 1:].unsqueeze(-1)).squeeze(-1)
-    gap = (lp.max(dim=-1).values - taken)[:, len(prompts[0]) - 1 :]
-    return {"logprobs": taken.tolist(), "greedy_gap": gap.max().item()}
+    logprobs, worst = [], 0.0
+    for p, c in zip(prompts, completions, strict=True):
+        seq = torch.tensor([p + c])
+        lp = torch.log_softmax(model(input_ids=seq).logits[0, :-1].float(), dim=-1)
+        taken = lp.gather(1, seq[0, 1:].unsqueeze(-1)).squeeze(-1)
+        worst = max(worst, (lp.max(dim=-1).values - taken)[len(p) - 1 :].max().item())
+        logprobs.append(taken.tolist())
+    return {"logprobs": logprobs, "greedy_gap": worst}
 
 
 @torch.no_grad()

@@ -5,7 +5,8 @@ MoE shuffles and scale swizzles, CPU GEMM prepacking, MXFP8 emulation's dequanti
 Their refit must land checkpoint-format bytes somewhere, then run the engine's own
 processing per layer and write the result into the kernel tensors in place. Keeping a
 checkpoint-format copy of the whole model costs as much memory as the model; staging only
-the layers whose bytes are in flight costs about three buckets (the write window, ``RefitPlan.window``).
+the layers whose bytes are in flight costs a few buckets (the write window, ``RefitPlan.window``, and
+the layers that straddle bucket edges).
 
 A *unit* is what gets processed at once (one layer module): a few checkpoint-format
 parameters and a ``process`` callable that reads them and writes the kernel tensors.

@@ -84,8 +84,8 @@ WRITE_AHEAD = 1
 """Buckets a trainer that sends one behind (``Sender(one_behind=True)``) may be ahead of its
 ``slots`` window: its "ready" messages go out one bucket behind, so it starts bucket *i* once
 bucket *i - slots - 1* was applied. The plan carries it (``RefitPlan.write_ahead``: 0 for every
-other trainer), and both sides read the window from ``RefitPlan.window``, so an engine's staging
-holds that extra bucket only for a trainer that writes it."""
+other trainer; in the digest), and both sides read the window from ``RefitPlan.window``, so an
+engine's staging holds that extra bucket only for a trainer that writes it."""
 
 
 @dataclass
@@ -271,16 +271,17 @@ def _digest(
     layouts: list,
     write_ahead: int,
 ) -> str:
-    """sha256 of everything both sides must agree on; kernel layouts and a write-ahead enter
-    only where there are some, so a plan without them keeps the digest it always had."""
+    """sha256 of everything both sides must agree on; kernel layouts enter only where there are
+    some, so a plan without them keeps the digest it always had. The write-ahead always enters:
+    a trainer from before it (which sent none, one behind or not) is refused by digest instead of
+    racing an engine whose staging window it does not know."""
     h = hashlib.sha256()
     h.update(msgpack.packb([bucket_bytes, slots, [[s.name, list(s.shape), dtype_name(s.dtype)] for s in sources], formats]))
     for b in buckets:
         h.update(msgpack.packb([b.slot, b.sources, [[r.offset, r.param, r.param_offset, r.nbytes] for r in b.runs]]))
     if layouts:
         h.update(msgpack.packb(["kernel layouts", layouts]))
-    if write_ahead:
-        h.update(msgpack.packb(["write ahead", write_ahead]))
+    h.update(msgpack.packb(["write ahead", write_ahead]))
     return h.hexdigest()
 
 

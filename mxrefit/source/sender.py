@@ -493,9 +493,9 @@ class Sender:
             # host sync per bucket, packing ran at ~55% of the copy rate against 84-97% for the kernels
             # alone). The wait below lags one too (``plan.window``), and the engine's staging keeps a layer's
             # region that one bucket longer (the plan's ``write_ahead``), since the trainer writes that far
-            # ahead of "applied". A stream
-            # finishes each bucket at once (it holds one bucket's tensors at a time); so do slots, where
-            # bucket i + 1's slot is free only once bucket i + 1 - slots was applied.
+            # ahead of "applied". A stream finishes each bucket at once (it holds one bucket's tensors at
+            # a time); so do slots, where bucket i + 1's slot is free only once bucket i + 1 - slots was
+            # applied. Their plans still carry the write-ahead (a slightly larger pool, never a short one).
             behind = self.one_behind and stream is None and path.buffers is None
             window = plan.window if behind else plan.slots
             pending: Bucket | None = None

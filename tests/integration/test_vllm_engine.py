@@ -268,15 +268,18 @@ def test_kernel_state_digests_what_a_cpu_kernel_computes_not_only_its_parameter(
     llm = float32_engine
     llm.collective_rpc("mxrefit_init")
     name = "lm_head.weight"
-    before = llm.collective_rpc("mxrefit_kernel_state", kwargs={"names": [name]})[0][name]
-    llm.collective_rpc(_lm_head_kernel_doubled, args=(True,))
     try:
-        after = llm.collective_rpc("mxrefit_kernel_state", kwargs={"names": [name]})[0][name]
+        before = llm.collective_rpc("mxrefit_kernel_state", kwargs={"names": [name]})[0][name]
+        assert not before["kernel_output"].startswith("not run"), before  # vLLM's own CPU GEMM ran on the probe
+        llm.collective_rpc(_lm_head_kernel_doubled, args=(True,))
+        try:
+            after = llm.collective_rpc("mxrefit_kernel_state", kwargs={"names": [name]})[0][name]
+        finally:
+            llm.collective_rpc(_lm_head_kernel_doubled, args=(False,))
+        assert after["sha256"] == before["sha256"] and after["kernel_output"] != before["kernel_output"]
+        assert llm.collective_rpc("mxrefit_kernel_state", kwargs={"names": [name]})[0][name] == before
     finally:
-        llm.collective_rpc(_lm_head_kernel_doubled, args=(False,))
-    assert after["sha256"] == before["sha256"] and after["kernel_output"] != before["kernel_output"]
-    assert llm.collective_rpc("mxrefit_kernel_state", kwargs={"names": [name]})[0][name] == before
-    llm.collective_rpc("mxrefit_close")
+        llm.collective_rpc("mxrefit_close")
 
 
 def _double_the_final_norm_after_processing(worker) -> None:

@@ -97,8 +97,8 @@ def _narrow(whole: torch.Tensor, shard: Shard | None) -> torch.Tensor:
 def _kernel_mismatches(
     llm, trainer, sender: BroadcastSender, *, mxfp8: bool, repacked: str | None = None, expert_parallel: bool = False
 ) -> tuple[list[str], int]:
-    """(params whose kernel bytes differ from the rank's slice of the trainer's, params compared
-    or packed).
+    """(params whose kernel bytes differ from the rank's slice of the trainer's, params compared,
+    params packed away).
 
     A kernel param is compared where vLLM serves it in the checkpoint's shape: BF16 params as
     they are, MXFP8 weights as vLLM's own dequantization of mxrefit's values and scales (the
@@ -106,8 +106,8 @@ def _kernel_mismatches(
     since slices fall on whole 32-value blocks. Params whose names contain ``repacked`` are
     skipped: their kernel repacks them in place (same shape, other bytes). A weight whose CPU
     kernel holds a packed copy and left the parameter empty (oneDNN or AMX GEMMs, on hosts
-    with AVX512-BF16) counts as packed: its kernel output is checked against a fresh vLLM's
-    (``vm.assert_same_as_fresh``).
+    with AVX512-BF16) is packed away: its kernel output is checked against a fresh vLLM's
+    (``vm.assert_same_as_fresh``) after the last refit.
     """
     from vllm.model_executor.layers.quantization.utils.mxfp8_utils import dequant_mxfp8_to_bf16
 
@@ -119,7 +119,7 @@ def _kernel_mismatches(
             continue
         scale = whole.get(f"{name}_scale")
         expected[name] = t if scale is None else dequant_mxfp8_to_bf16(t, scale)
-    bad, compared = [], 0
+    bad, compared, packed = [], 0, []
     for rank, kernel in enumerate(llm.collective_rpc("mxrefit_kernel_state")):
         shards = vllm_shards(shape, mxfp8=mxfp8, tp_rank=rank, tp_size=TP, expert_parallel=expert_parallel)
         for name, t in expected.items():
@@ -128,14 +128,14 @@ def _kernel_mismatches(
             local = _narrow(t, shards.get(name))
             k = kernel.get(name)
             if k is not None and k["shape"] == [0] and "kernel_output" in k:
-                compared += 1
+                packed.append(f"rank {rank}: {name}")
                 continue
             if k is None or k["shape"] != list(local.shape) or k["dtype"] != str(local.dtype):
                 continue
             compared += 1
             if k["sha256"] != vm.sha256_of(local):
                 bad.append(f"rank {rank}: {name}")
-    return bad, compared
+    return bad, compared, packed
 
 
 # ---- BF16 Qwen3-MoE at TP=2 ----------------------------------------------------------------
@@ -167,8 +167,8 @@ def test_tp2_moe_refits_through_broadcast_follow_real_training(tp_moe_engine, tm
             vm.assert_matches(llm, trainer)
             # embed, lm_head, norm + per layer qkv, o_proj, q/k norms, router, 2 layernorms; vLLM's CPU
             # MoE prepacks w13/w2 in place: those are checked by the outputs and the identical refit below
-            bad, compared = _kernel_mismatches(llm, trainer, sender, mxfp8=False, repacked="routed_experts")
-            assert bad == [] and compared == TP * (3 + 2 * 7), (bad, compared)
+            bad, compared, packed = _kernel_mismatches(llm, trainer, sender, mxfp8=False, repacked="routed_experts")
+            assert bad == [] and compared + len(packed) == TP * (3 + 2 * 7), (bad, compared, packed)
             previous = now
         # an identical refit re-runs vLLM's processing on both ranks: no kernel byte may move
         before = llm.collective_rpc("mxrefit_kernel_state")
@@ -177,7 +177,8 @@ def test_tp2_moe_refits_through_broadcast_follow_real_training(tp_moe_engine, tm
     finally:
         sender.close()
     trainer.save_pretrained(tmp_path)
-    vm.assert_same_as_fresh(llm, lambda: _start_tp_llm(str(tmp_path)), init={"experts": "grouped"})
+    fresh = lambda: _start_tp_llm(str(tmp_path), weight_transfer_config={"backend": "mxrefit"})  # noqa: E731
+    vm.assert_same_as_fresh(llm, fresh, init={"experts": "grouped"})
 
 
 @pytest.mark.vllm
@@ -265,8 +266,10 @@ def test_tp2_expert_parallel_ranks_hold_whole_experts_and_receive_their_bytes(tp
         for step in range(2):
             vm.train_steps(trainer, 4, seed=40 + step)
             assert refit_while(_serve(llm), sender, _weights(trainer), until_shutdown=True).version == step + 1
-            bad, compared = _kernel_mismatches(llm, trainer, sender, mxfp8=False, repacked="routed_experts", expert_parallel=True)
-            assert bad == [] and compared == TP * (3 + 2 * 7), (bad, compared)
+            bad, compared, packed = _kernel_mismatches(
+                llm, trainer, sender, mxfp8=False, repacked="routed_experts", expert_parallel=True
+            )
+            assert bad == [] and compared + len(packed) == TP * (3 + 2 * 7), (bad, compared, packed)
         before = llm.collective_rpc("mxrefit_kernel_state")
         refit_while(_serve(llm), sender, _weights(trainer), until_shutdown=True)
         assert llm.collective_rpc("mxrefit_kernel_state") == before
@@ -302,9 +305,9 @@ def test_tp2_dense_mxfp8_refits_land_vllms_own_dequantization_of_each_slice(tp_m
             now = vm.vllm_greedy(llm)
             assert now != previous
             vm.assert_matches(llm, vm.dequantized_copy(trainer))
-            bad, compared = _kernel_mismatches(llm, trainer, sender, mxfp8=True)
+            bad, compared, packed = _kernel_mismatches(llm, trainer, sender, mxfp8=True)
             # embed, lm_head, norm + per layer qkv, o_proj, gate_up, down (dequantized), q/k norms, 2 layernorms
-            assert bad == [] and compared == TP * (3 + 2 * 8), (bad, compared)
+            assert bad == [] and compared + len(packed) == TP * (3 + 2 * 8), (bad, compared, packed)
             previous = now
     finally:
         sender.close()

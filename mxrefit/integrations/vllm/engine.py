@@ -428,6 +428,7 @@ def _cpu_kernel_digest(module: torch.nn.Module) -> str:
     try:
         return _sha256(_cpu_kernel_output(module))
     except Exception as e:  # noqa: BLE001 - any kernel error: report it, the refit goes on
+        log.warning("mxrefit: kernel_state could not run %s's CPU kernel on its probe: %s", type(module).__name__, e)
         return f"not run: {type(e).__name__}: {e}"
 
 
@@ -933,9 +934,10 @@ class VllmEngine(Engine):
         """sha256, shape and dtype of the live (kernel-format) parameters, for checks from outside.
 
         vLLM's CPU build may run a linear from a copy packed inside its kernel (oneDNN, AMX
-        packed GEMM) and leave ``weight`` empty or unread; the weight's entry then also holds
-        ``kernel_output``, the digest of that kernel's output on a fixed input, so a stale or
-        wrong packed copy is seen where the parameter's bytes cannot show it."""
+        packed GEMM) and leave ``weight`` empty or unread, so the entry of every module with its
+        CPU GEMM dispatch (``cpu_linear``, packed or not) also holds ``kernel_output``, the digest
+        of that kernel's output on a fixed input: a stale or wrong packed copy is seen where the
+        parameter's bytes cannot show it."""
         wanted = None if names is None else set(names)
         out = {}
         for name, p in self.model.named_parameters():
