@@ -226,7 +226,8 @@ class Receiver:
         sources = sources_from_msg(msg["sources"])
         bucket_bytes = check_int(msg["bucket_bytes"], "bucket_bytes", 1, MAX_BUFFER_BYTES)
         slots = check_int(msg["slots"], "slots", 1, MAX_BUFFERS)
-        write_ahead = check_int(msg.get("write_ahead", 0), "write_ahead", 0, WRITE_AHEAD)
+        # a trainer from before the field may run one behind: it gets the longer window
+        write_ahead = check_int(msg.get("write_ahead", WRITE_AHEAD), "write_ahead", 0, WRITE_AHEAD)
         plan = build_plan(
             sources, self._params, self._destinations, bucket_bytes=bucket_bytes, slots=slots, write_ahead=write_ahead
         )

@@ -84,8 +84,9 @@ WRITE_AHEAD = 1
 """Buckets a trainer that sends one behind (``Sender(one_behind=True)``) may be ahead of its
 ``slots`` window: its "ready" messages go out one bucket behind, so it starts bucket *i* once
 bucket *i - slots - 1* was applied. The plan carries it (``RefitPlan.write_ahead``: 0 for every
-other trainer; in the digest), and both sides read the window from ``RefitPlan.window``, so an
-engine's staging holds that extra bucket only for a trainer that writes it."""
+other trainer), and both sides read the window from ``RefitPlan.window``, so an engine's staging
+holds that extra bucket only for a trainer that writes it. A trainer that says nothing (from
+before the field; some ran one behind) gets the extra bucket."""
 
 
 @dataclass
@@ -244,7 +245,7 @@ def build_plan(
         _layout(b, targets, param_rank)
     formats = [destinations[s.name].format for s in sources]
     layouts = [[i, r, t.layout.to_msg()] for i, ts in targets.items() for r, t in enumerate(ts) if t.layout is not None]
-    digest = _digest(sources, formats, buckets, bucket_bytes, slots, layouts, write_ahead)
+    digest = _digest(sources, formats, buckets, bucket_bytes, slots, layouts)
     return RefitPlan(sources, formats, buckets, bucket_bytes, slots, digest, write_ahead)
 
 
@@ -263,25 +264,17 @@ def _footprint(span: range, targets: dict[int, list[Target]]) -> int:
 
 
 def _digest(
-    sources: list[SourceSpec],
-    formats: list[str],
-    buckets: list[Bucket],
-    bucket_bytes: int,
-    slots: int,
-    layouts: list,
-    write_ahead: int,
+    sources: list[SourceSpec], formats: list[str], buckets: list[Bucket], bucket_bytes: int, slots: int, layouts: list
 ) -> str:
-    """sha256 of everything both sides must agree on; kernel layouts enter only where there are
-    some, so a plan without them keeps the digest it always had. The write-ahead always enters:
-    a trainer from before it (which sent none, one behind or not) is refused by digest instead of
-    racing an engine whose staging window it does not know."""
+    """sha256 of the layout both sides must agree on; kernel layouts enter only where there are
+    some, so a plan without them keeps the digest it always had. The write-ahead does not enter:
+    it places no byte, the engine takes the trainer's word for it (``Receiver._adopt_plan``)."""
     h = hashlib.sha256()
     h.update(msgpack.packb([bucket_bytes, slots, [[s.name, list(s.shape), dtype_name(s.dtype)] for s in sources], formats]))
     for b in buckets:
         h.update(msgpack.packb([b.slot, b.sources, [[r.offset, r.param, r.param_offset, r.nbytes] for r in b.runs]]))
     if layouts:
         h.update(msgpack.packb(["kernel layouts", layouts]))
-    h.update(msgpack.packb(["write ahead", write_ahead]))
     return h.hexdigest()
 
 

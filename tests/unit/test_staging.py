@@ -149,8 +149,7 @@ def test_staged_regions_outlive_the_trainers_write_window(bucket_kb, slots, writ
 
 def test_an_in_step_trainer_costs_the_engine_a_smaller_pool():
     """Staging keeps the extra bucket only for a one-behind trainer (``write_ahead``): an in-step
-    trainer's plan leaves the pool smaller, and the two plans' digests differ, so an engine and a
-    trainer that disagree on it refuse the plan instead of racing."""
+    trainer's plan leaves the pool smaller. The digest, which covers where bytes go, is the same."""
     sizes, digests = {}, {}
     for write_ahead in (0, 1):
         shape, params, dests, plan = _layout_plan(layers=12, bucket_bytes=96 << 10, write_ahead=write_ahead)
@@ -158,6 +157,6 @@ def test_an_in_step_trainer_costs_the_engine_a_smaller_pool():
         pool = StagingPool(k.params, k.units, torch.device("cpu"))
         pool.place(plan)
         sizes[write_ahead], digests[write_ahead] = pool.pool_bytes, plan.digest
-    assert sizes[0] < sizes[1] and digests[0] != digests[1]
+    assert sizes[0] < sizes[1] and digests[0] == digests[1]
     with pytest.raises(ValueError, match="write_ahead must be 0 or 1"):
         _layout_plan(layers=2, bucket_bytes=96 << 10, write_ahead=2)
