@@ -17,7 +17,6 @@ in CI (no GPU there); the refusals are tested on CPU.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.util
 import multiprocessing as mp
@@ -30,6 +29,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+
+from mxrefit.transport.bytesum import tensor_sha256
 
 PEERS = ("checkpoint-engine",)
 CHECKPOINT = "mxrefit-bench"
@@ -92,10 +93,7 @@ def _rank_zero_env() -> Iterator[None]:
 
 def _digests(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     """sha256 of every tensor's bytes, by name."""
-    return {
-        name: hashlib.sha256(t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().data).hexdigest()
-        for name, t in tensors.items()
-    }
+    return {name: tensor_sha256(t) for name, t in tensors.items()}
 
 
 def _device_uuid(dev: torch.device) -> str:

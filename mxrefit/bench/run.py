@@ -33,7 +33,6 @@ engine post-processes.
 from __future__ import annotations
 
 import functools
-import hashlib
 import multiprocessing as mp
 import statistics
 import time
@@ -54,6 +53,7 @@ from mxrefit.integrations.vllm.trtllm import reference_kernel_bytes, vllm_mxfp8_
 from mxrefit.plan.build import SourceSpec
 from mxrefit.plan.shapes import BUILTIN, ModelShape, hf_tensor_specs
 from mxrefit.source.sender import Sender
+from mxrefit.transport.bytesum import tensor_sha256
 from mxrefit.transport.factory import default_kind
 
 MODES = ("baseline", "prequant")
@@ -191,10 +191,6 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     return 2 * nbytes / statistics.median(times)
 
 
-def _sha(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
-
-
 def _checkpoint_param(param: str, nbytes: int, engine_dests, weights: dict[str, torch.Tensor], device) -> torch.Tensor:
     """The checkpoint-format bytes of one engine param, assembled from every trainer tensor landing in it."""
     out = torch.zeros(nbytes, dtype=torch.uint8, device=device)
@@ -231,12 +227,12 @@ def _sample_check(
                 staged.add(tgt.param)
                 continue
             ranges.append([tgt.param, tgt.offset, tgt.nbytes])
-            want.append(_sha(part))
+            want.append(tensor_sha256(part))
     for param in sorted(staged):
         ckpt = _checkpoint_param(param, params[param].nbytes, engine_dests, weights, next(iter(weights.values())).device)
         expected = reference_kernel_bytes(param, ckpt.view(params[param].dtype).view(params[param].shape))
         ranges.append([param, 0, expected.numel()])
-        want.append(_sha(expected))
+        want.append(tensor_sha256(expected))
     reply = sender.client.request({"op": "checksum", "ranges": ranges}, sender.timeout_s, step="checking engine bytes")
     got = reply["sha256"]
     bad = [r[0] for r, g, w in zip(ranges, got, want) if g != w]

@@ -11,9 +11,14 @@ changes by less than 2**32); words swapped or moved by fewer than 65521 position
 Both sides build a ``ByteSum`` once per bucket over the same regions: the trainer over the
 views it encodes into, the engine over the bytes that landed in its storage (or staging), so
 the check covers the transport and the engine's copies.
+
+``tensor_sha256`` is the slow, exact counterpart for checks outside a refit (the bench's byte
+comparisons, an engine's ``kernel_state``): a tensor's bytes hashed on the host.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import torch
 
@@ -22,6 +27,11 @@ from mxrefit.transport.protocol import BYTESUM_MOD as MOD
 
 WORDS_PER_ROW = 1 << 14  # the torch path sums rows of this many words in int64: each row sum stays below 2**63
 _WRAP = 1 << 64
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    """Hex sha256 of the tensor's bytes in row-major order, copied to the host."""
+    return hashlib.sha256(t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
 
 
 def _words(view: torch.Tensor) -> torch.Tensor:

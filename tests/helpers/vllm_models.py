@@ -111,11 +111,16 @@ def train_steps(model, steps: int, *, seed: int, lr: float = 3e-3) -> None:
     model.eval()
 
 
+def model_logits(model, ids: list[int]) -> torch.Tensor:
+    """The HF model's float32 logits at every position of one sequence."""
+    return model(input_ids=torch.tensor([ids])).logits[0].float()
+
+
 @torch.no_grad()
 def hf_prompt_logprobs(model, prompts=PROMPTS) -> list[list[float]]:
     out = []
     for p in prompts:
-        logits = model(input_ids=torch.tensor([p])).logits[0].float()
+        logits = model_logits(model, p)
         lp = torch.log_softmax(logits[:-1], dim=-1).gather(1, torch.tensor(p[1:]).view(-1, 1)).view(-1)
         out.append(lp.tolist())
     return out
@@ -218,10 +223,6 @@ def greedy_gap(reference, completions: list[list[int]], prompts=PROMPTS) -> floa
         assert math.isfinite(gap), f"the reference's log-probabilities over {p} + {c} are not finite"
         worst = max(worst, gap)
     return worst
-
-
-def model_logits(model, ids: list[int]) -> torch.Tensor:
-    return model(input_ids=torch.tensor([ids])).logits[0].float()
 
 
 def assert_matches(llm, reference) -> None:

@@ -22,6 +22,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from mxrefit.integrations.vllm.client import LLMClient, refit_while  # noqa: E402
 from mxrefit.integrations.vllm.compat import VllmSetupError, require_features  # noqa: E402
+from mxrefit.source.checkpoint import save_mxfp8_checkpoint  # noqa: E402
 from mxrefit.source.sender import Sender  # noqa: E402
 
 
@@ -125,8 +126,6 @@ def test_a_trainer_in_the_wrong_expert_layout_is_told_so(moe_engine):
 def mxfp8_engine(tmp_path_factory):
     """A dense MXFP8 Qwen3 in vLLM (CPU: vLLM's emulation kernel, registered by mxrefit), driven
     through vLLM's own weight-transfer API with the "mxrefit" backend."""
-    from mxrefit.source.checkpoint import save_mxfp8_checkpoint
-
     path = str(tmp_path_factory.mktemp("dense_mx"))
     model = vm.qwen3_dense(seed=0)
     formats = save_mxfp8_checkpoint(model, path)
@@ -185,8 +184,6 @@ def test_mxfp8_refit_through_vllms_weight_transfer_api(mxfp8_engine, tmp_path):
     lm_head = kernel["lm_head.weight"]
     if lm_head["shape"] != [0]:  # else vLLM's CPU GEMM packed it away: its output is checked below
         assert lm_head["sha256"] == vm.sha256_of(w["lm_head.weight"])
-    from mxrefit.source.checkpoint import save_mxfp8_checkpoint
-
     save_mxfp8_checkpoint(trainer, str(tmp_path))
     vm.assert_same_as_fresh(llm, lambda: vm.start_llm(str(tmp_path), weight_transfer_config={"backend": "mxrefit"}))
 

@@ -96,7 +96,7 @@ def _narrow(whole: torch.Tensor, shard: Shard | None) -> torch.Tensor:
 
 def _kernel_mismatches(
     llm, trainer, sender: BroadcastSender, *, mxfp8: bool, repacked: str | None = None, expert_parallel: bool = False
-) -> tuple[list[str], int]:
+) -> tuple[list[str], int, list[str]]:
     """(params whose kernel bytes differ from the rank's slice of the trainer's, params compared,
     params packed away).
 

@@ -36,7 +36,6 @@ one adapter per difference, chosen by feature detection (docs/vllm.md §4).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import time
@@ -74,6 +73,7 @@ from mxrefit.integrations.vllm.layout import (
 from mxrefit.integrations.vllm.trtllm import MoeLayout, check_moe_alignment, moe_direct_targets, moe_row_order
 from mxrefit.plan.shapes import EXPERT_LAYOUTS, ModelShape
 from mxrefit.plan.types import Destination, ParamSpec, Shard, Target
+from mxrefit.transport.bytesum import tensor_sha256
 
 log = logging.getLogger("mxrefit.vllm")
 
@@ -418,15 +418,11 @@ def _state_beside_params(module: torch.nn.Module, written: Iterable[str]) -> dic
     return out
 
 
-def _sha256(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
-
-
 def _cpu_kernel_digest(module: torch.nn.Module) -> str:
     """sha256 of ``_cpu_kernel_output``; a kernel that cannot run on the probe is named instead
     (a check must not fail the refit it checks)."""
     try:
-        return _sha256(_cpu_kernel_output(module))
+        return tensor_sha256(_cpu_kernel_output(module))
     except Exception as e:  # noqa: BLE001 - any kernel error: report it, the refit goes on
         log.warning("mxrefit: kernel_state could not run %s's CPU kernel on its probe: %s", type(module).__name__, e)
         return f"not run: {type(e).__name__}: {e}"
@@ -943,7 +939,7 @@ class VllmEngine(Engine):
         for name, p in self.model.named_parameters():
             if wanted is not None and name not in wanted:
                 continue
-            out[name] = {"sha256": _sha256(p), "shape": list(p.shape), "dtype": str(p.dtype)}
+            out[name] = {"sha256": tensor_sha256(p), "shape": list(p.shape), "dtype": str(p.dtype)}
         for mname, module in self.model.named_modules():
             name = f"{mname}.weight" if mname else "weight"
             if name in out and callable(getattr(module, "cpu_linear", None)):
