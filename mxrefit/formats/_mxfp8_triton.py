@@ -96,9 +96,12 @@ def _single_kernel(
 
 
 @triton.jit
-def _program_tensor(prog_tensor, prog_block, n_blocks_of, src_addr, values_addr, scales_addr):
+def _program_tensor(prog_tensor, prog_block, n_blocks_of, src_addr, values_addr, scales_addr, ALIGNED: tl.constexpr):
     """This program's row of the launch table: its tensor, first block and that tensor's block
-    count, source, value and scale pointers (what every grouped kernel loads before its first read)."""
+    count, source, value and scale pointers (what every grouped kernel loads before its first read).
+    The alignment hint is given here, on the loaded pointers: applied by the caller to the returned
+    ones, Triton 3.6 (the device image's) drops it and every access goes scalar, 19x slower
+    (docs/benchmarks.md, "A/B of 2026-12-06"; tests/unit/test_kernel_codegen.py)."""
     pid = tl.program_id(0)
     t = tl.load(prog_tensor + pid)
     first = tl.load(prog_block + pid).to(tl.int64)
@@ -106,6 +109,9 @@ def _program_tensor(prog_tensor, prog_block, n_blocks_of, src_addr, values_addr,
     src = tl.load(src_addr + t).to(tl.pointer_type(tl.int16))
     dst_values = tl.load(values_addr + t).to(tl.pointer_type(tl.uint8))
     dst_scales = tl.load(scales_addr + t).to(tl.pointer_type(tl.uint8))
+    if ALIGNED:
+        src = tl.multiple_of(src, 16)
+        dst_values = tl.multiple_of(dst_values, 16)
     return t, first, n_blocks, src, dst_values, dst_scales
 
 
@@ -129,11 +135,8 @@ def _group_kernel(
     first read are paid once per ITERS runs (H200, 2026-12-05: 99.9% of the copy rate at NB 128,
     ITERS 4 against 92.8% at ITERS 1, the same bytes)."""
     t, first, n_blocks, src, dst_values, dst_scales = _program_tensor(
-        prog_tensor, prog_block, n_blocks_of, src_addr, values_addr, scales_addr
+        prog_tensor, prog_block, n_blocks_of, src_addr, values_addr, scales_addr, ALIGNED
     )
-    if ALIGNED:  # addresses loaded from a table carry no alignment: say it, or every access is scalar
-        src = tl.multiple_of(src, 16)
-        dst_values = tl.multiple_of(dst_values, 16)
     any_bad = tl.zeros((), dtype=tl.int32)
     for i in tl.static_range(ITERS):
         blk = first + i * NB + tl.arange(0, NB)
@@ -173,11 +176,8 @@ def _layout_group_kernel(
     (``tile_bytes`` per expert, ``col_groups`` = ceil(KB/4)) when the tensor's scales are tiled,
     else row-major."""
     t, first, n_blocks, src, dst_values, dst_scales = _program_tensor(
-        prog_tensor, prog_block, n_blocks_of, src_addr, values_addr, scales_addr
+        prog_tensor, prog_block, n_blocks_of, src_addr, values_addr, scales_addr, ALIGNED
     )
-    if ALIGNED:
-        src = tl.multiple_of(src, 16)
-        dst_values = tl.multiple_of(dst_values, 16)
     inverse = tl.load(inverse_addr + t).to(tl.pointer_type(tl.int32))
     m_rows = tl.load(rows_of + t)
     kblocks = tl.load(kblocks_of + t)
