@@ -81,14 +81,14 @@ def main(argv: list[str] | None = None) -> int:
             "baseline",
             "prequant",
             "prequant-buffers",
-            "prequant-one-behind",
+            "prequant-in-step",
             "prequant-fused",
             "prequant-verify",
             "prequant-transactional",
         ),
         help="both = baseline + prequant; all adds prequant-buffers (mxrefit through transfer buffers); "
-        "checks = prequant, prequant-one-behind (Sender(one_behind=True): each bucket's ready message one "
-        "bucket behind), prequant-fused (check_finite=False: the non-finite screen runs inside the "
+        "checks = prequant, prequant-in-step (Sender(one_behind=False): each bucket's ready message as soon "
+        "as its kernels are queued), prequant-fused (check_finite=False: the non-finite screen runs inside the "
         "encoders, one read of the weights instead of two), prequant-verify (per-bucket integrity sums) "
         "and prequant-transactional (the engine receives into a shadow and commits a complete refit)",
     )

@@ -5,6 +5,7 @@
 #   mkdir -p .old .whl2 && git archive REV mxrefit | tar -x -C .old
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl2 pyzmq
 # Then one device call, carry [".old", ".whl2"]:  bash scripts/gpu_bench_ab.sh [ROUNDS] -- BENCH ARGS...
+# BASE=.old2 takes the baseline package from another ignored folder (carry that one instead).
 # Runs baseline, this tree, baseline, this tree ... (ROUNDS pairs, default 1): each run measures its own copy floor.
 # TRACE=1 adds `--trace` to this tree's runs (one profiled refit per mode, traces in $OUT/traces_TAG_ROUND).
 # TAG names the files (bench_TAG_TREE_ROUND.*), so several models can run in one call:
@@ -24,7 +25,7 @@ if (( mib < 100000 )) && [[ " $* " != *" --layers "* ]]; then set -- "$@" --laye
 root=$PWD
 for r in $(seq 1 $rounds); do
   for tree in baseline this; do
-    dir=$root; [[ $tree == baseline ]] && dir=$root/.old
+    dir=$root; [[ $tree == baseline ]] && dir=$root/${BASE:-.old}
     f=$OUT/bench_${TAG:-ab}_${tree}_$r
     extra=()  # TRACE=1: this tree also profiles one refit per mode (bench --trace; the baseline may predate it)
     [[ -n ${TRACE:-} && $tree == this ]] && extra=(--trace $OUT/traces_${TAG:-ab}_$r)

@@ -14,8 +14,9 @@ Per format (``--fmts mxfp8,bf16``, one engine at a time; the trainer keeps its 6
   its allocator), and the time to the first token after the refit; ``--more-bucket-mb 2048,...``
   then repeats those refits on the same engine with a new trainer (a new plan) per bucket size
   (per-bucket costs on both sides: the trainer's turn-around, the engine's processing and sync);
-  ``--one-behind`` then repeats them with ``Sender(one_behind=True)`` (off by default since the
-  2026-12-06 A/B, docs/benchmarks.md), so the real engine times it beside the default;
+  ``--in-step`` then repeats them with ``Sender(one_behind=False)`` (each bucket's "ready" sent as
+  soon as it is queued; the default sends it one bucket behind), so the real engine times the
+  option beside the default;
 - vLLM's own path: ``--own-refits`` rounds of ``start_weight_update`` / IPC
   ``trainer_send_weights`` (packed, 1 GiB buffer; the checkpoint-format tensors, quantized on the
   trainer by vLLM's own ``mxfp8_e4m3_quantize`` for MXFP8, per-expert names as a ModelOpt
@@ -359,13 +360,13 @@ def run_format(args, fmt: str, weights: dict, result: dict, dump) -> None:
                 "median_ms": statistics.median(r["total_ms"] for r in more[1:] or more),
             }
             dump()
-        if args.one_behind:  # the same engine, a new trainer whose ready messages go one bucket behind
+        if args.in_step:  # the same engine, a new trainer whose ready messages go out as soon as queued
             sender.close()
             sender = Sender(
-                info["address"], bytes.fromhex(info["token"]), device="cuda", bucket_bytes=args.bucket_mb << 20, one_behind=True
+                info["address"], bytes.fromhex(info["token"]), device="cuda", bucket_bytes=args.bucket_mb << 20, one_behind=False
             )
-            behind = mxrefit_refits(args, f"{fmt} one behind", llm, sender, weights)
-            res["one_behind"] = {"refits": behind, "median_ms": statistics.median(r["total_ms"] for r in behind[1:] or behind)}
+            in_step = mxrefit_refits(args, f"{fmt} in step", llm, sender, weights)
+            res["in_step"] = {"refits": in_step, "median_ms": statistics.median(r["total_ms"] for r in in_step[1:] or in_step)}
             dump()
         sender.close()
         llm.collective_rpc("mxrefit_close")
@@ -439,9 +440,9 @@ def main() -> int:
         help="after the refits (and the soak): as many refits again at each of these bucket sizes, same engine",
     )
     p.add_argument(
-        "--one-behind",
+        "--in-step",
         action="store_true",
-        help="after those: as many refits again with the one-bucket-behind sender, same engine and bucket size",
+        help="after those: as many refits again with Sender(one_behind=False), same engine and bucket size",
     )
     p.add_argument("--gpu-util", type=float, default=0.45)
     p.add_argument("--moe-backend", default=None)

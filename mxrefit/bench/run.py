@@ -58,10 +58,10 @@ from mxrefit.transport.factory import default_kind
 
 MODES = ("baseline", "prequant")
 ALL_MODES = ("baseline", "prequant", "prequant-buffers")
-# what the options cost: ready messages one bucket behind (one_behind=True), per-bucket integrity sums,
+# what the options cost: ready messages sent in step (one_behind=False), per-bucket integrity sums,
 # receiving into a shadow committed whole, and the non-finite screen fused into encoding
 # (check_finite=False: one read of the sources, not two)
-CHECK_MODES = ("prequant", "prequant-one-behind", "prequant-fused", "prequant-verify", "prequant-transactional")
+CHECK_MODES = ("prequant", "prequant-in-step", "prequant-fused", "prequant-verify", "prequant-transactional")
 POST = ("trtllm", "trtllm-staged", "none")
 FORMATS = ("mxfp8", "fp8-block", "fp8-block-ue8m0", "bf16")
 
@@ -310,7 +310,7 @@ def run_mode(
                 transport=transport,
                 verify=mode == "prequant-verify",
                 check_finite=mode != "prequant-fused",
-                one_behind=mode == "prequant-one-behind",
+                one_behind=mode != "prequant-in-step",
             )
             sender.plan([SourceSpec(n, tuple(t.shape), t.dtype) for n, t in weights.items()])
         reports = []

@@ -300,15 +300,15 @@ class QuantizeGroup:
         *,
         device: torch.device | None = None,
         blocks_per_program: int = 128,
-        iters: int = 1,
+        iters: int = 4,
         num_warps: int = 4,
         layouts: Sequence[Sequence[KernelLayout | None]] | None = None,
     ):
         """``sources`` give shapes and dtype only (meta tensors will do); ``outs`` are the destinations.
-        ``iters``: runs of ``blocks_per_program`` blocks per program. Default 1, the shape every timed
-        refit ran with: 4 (faster as a kernel alone in a script of its own on the H200) was the default
-        in a tree whose bench ran 6.6x slower on an H100 on 2026-12-06, cause not yet isolated
-        (docs/benchmarks.md); ``scripts/gpu_pack_profile.py`` times 1, 2 and 4."""
+        ``iters``: runs of ``blocks_per_program`` blocks per program, so the table loads before a
+        program's first read are paid once per ``iters`` runs (``scripts/gpu_pack_profile.py``, H100,
+        2026-12-06: the kernel-layout launch at 96-98% of the copy rate with 4 against 87-88% with 1;
+        the plain launch 98-100% either way, 99.9% against 92.8% on the H200 on 2026-12-05)."""
         self.device = device if device is not None else outs[0][0].device
         self.is_bf16 = sources[0].dtype == torch.bfloat16
         self.nb = blocks_per_program

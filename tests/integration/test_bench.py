@@ -44,15 +44,15 @@ def test_bench_with_grouped_expert_slabs(tmp_path):
 
 
 def test_bench_checks_modes_price_verify_and_transactions(tmp_path):
-    """`--mode checks`: plain, ready messages one bucket behind, the fused non-finite screen, per-bucket integrity
+    """`--mode checks`: plain, ready messages in step, the fused non-finite screen, per-bucket integrity
     sums, and a transactional engine, each bit-exact."""
     out = tmp_path / "checks.json"
     run = bench("--steps", "1", "--mode", "checks", "--post", "none", "--no-progress", "--json", str(out))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     modes = json.loads(out.read_text())["modes"]
-    assert list(modes) == ["prequant", "prequant-one-behind", "prequant-fused", "prequant-verify", "prequant-transactional"]
+    assert list(modes) == ["prequant", "prequant-in-step", "prequant-fused", "prequant-verify", "prequant-transactional"]
     assert all(m["check"]["mismatched"] == [] for m in modes.values())
-    assert [m["one_behind"] for m in modes.values()] == [False, True, False, False, False]
+    assert [m["one_behind"] for m in modes.values()] == [True, False, True, True, True]
     assert [m["check_finite"] for m in modes.values()] == [True, True, False, True, True]
     assert [m["verify"] for m in modes.values()] == [False, False, False, True, False]
     assert [m["engine_transactional"] for m in modes.values()] == [False, False, False, False, True]
