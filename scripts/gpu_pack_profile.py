@@ -5,9 +5,11 @@ plain copy, and the engine's TRT-LLM layout kernels on one Qwen3-30B-A3B layer, 
 ``loop_nb*_i*`` rows time the library's grouped kernel alone (issue 23's >= 90% of copy) at each
 run length: each program quantizes ITERS runs of NB blocks of one tensor, so the launch-table
 loads that precede every program's first read are paid once per ITERS runs (the library's default
-is NB 128, ITERS 4 since 2026-12-05); ``group_*`` rows time the library call, its host-side
-address check included; every row's bytes are checked against the library call's. ``layout_*``
-rows time the kernel-layout launch (TRT-LLM rows, 128x4 scale tiles) at 1, 2 and 4 runs per program.
+is NB 128, ITERS 4); ``group_*`` rows time the library call, its host-side address check
+included; every row's bytes are checked against the library call's. ``layout_*`` rows time the
+kernel-layout launch (TRT-LLM rows, 128x4 scale tiles) at 1, 2 and 4 runs per program;
+``passthrough_*`` rows a BF16 engine's screening copy at several chunk/block sizes against
+``_foreach_copy_``.
 
     PYTHONPATH=$PWD python3 scripts/gpu_pack_profile.py --json $OUT/pack_profile.json
 """
@@ -106,6 +108,41 @@ def layout_rows(layers: int, dev: torch.device, e: int = 128, i_: int = 768, h: 
     return rows
 
 
+def passthrough_rows(srcs: list[torch.Tensor], dev: torch.device) -> dict:
+    """A BF16 engine's copy (``CopyGroup``: one launch, screening as it copies) over the same
+    tensors at several chunk and block sizes, against ``_foreach_copy_`` and a copy of the same
+    traffic (issue 23: >= 90% of the copy rate); every row's bytes compared with the sources."""
+    from mxrefit.formats._passthrough_triton import CopyGroup
+
+    nbytes = sum(t.numel() * 2 for t in srcs)
+    flat = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev)
+    outs, at = [], 0
+    for t in srcs:
+        outs.append(flat[at : at + t.numel()].view(t.shape))
+        at += t.numel()
+    bad = torch.full((1,), 2**31 - 1, dtype=torch.int32, device=dev)
+    numels = [t.numel() for t in srcs]
+    rows = {}
+    for chunk in (8192, 16384, 65536):
+        for block in (1024, 2048, 4096):
+            for warps in (4, 8):
+                group = CopyGroup(
+                    numels, torch.bfloat16, outs, list(range(len(srcs))), dev, chunk=chunk, block=block, num_warps=warps
+                )
+                flat.zero_()
+                group(srcs, bad)
+                exact = all(torch.equal(o, t) for o, t in zip(outs, srcs))
+                s = timed(lambda: group(srcs, bad))
+                rows[f"passthrough_c{chunk}_b{block}_w{warps}"] = {"s": s, "GBps": 2 * nbytes / s / 1e9, "bytes_equal": exact}
+    s = timed(lambda: torch._foreach_copy_(outs, srcs))
+    rows["passthrough_foreach_copy"] = {"s": s, "GBps": 2 * nbytes / s / 1e9}
+    a = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    s = timed(lambda: b.copy_(a))
+    rows["copy_passthrough_traffic"] = {"s": s, "GBps": 2 * nbytes / s / 1e9}
+    return rows
+
+
 def trtllm_rows(dev: torch.device) -> dict:
     """The TRT-LLM layout kernels on one Qwen3-30B-A3B layer's experts against a copy of the same bytes."""
     from mxrefit.integrations.vllm import _trtllm_triton as lay
@@ -179,6 +216,7 @@ def main() -> None:
     b = torch.empty_like(a)
     s = timed(lambda: b.copy_(a))
     rows["copy_same_traffic"] = {"s": s, "GBps": traffic / s / 1e9}
+    rows.update(passthrough_rows(srcs, dev))
     rows.update(trtllm_rows(dev))
     rows.update(layout_rows(args.layers, dev))
     out = {"tensors": len(srcs), "bf16_bytes": nbytes, "traffic_bytes": traffic, "rows": rows}
