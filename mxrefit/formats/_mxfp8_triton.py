@@ -101,7 +101,7 @@ def _program_tensor(prog_tensor, prog_block, n_blocks_of, src_addr, values_addr,
     count, source, value and scale pointers (what every grouped kernel loads before its first read).
     The alignment hint is given here, on the loaded pointers: applied by the caller to the returned
     ones, Triton 3.6 (the device image's) drops it and every access goes scalar, 19x slower
-    (docs/benchmarks.md, "A/B of 2026-12-06"; tests/unit/test_kernel_codegen.py)."""
+    (docs/benchmarks.md, "The 6.6x found and fixed"; tests/unit/test_kernel_codegen.py)."""
     pid = tl.program_id(0)
     t = tl.load(prog_tensor + pid)
     first = tl.load(prog_block + pid).to(tl.int64)
