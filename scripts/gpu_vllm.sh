@@ -15,7 +15,8 @@
 #   moehang  the Qwen3-MoE MXFP8 start, stacks of every process at a deadline (vllm_moe_hang.py), and the
 #            MoE MXFP8 oracle run with moe_backend=triton
 #   marlin   every Marlin MXFP8 engine (dense, MoE; extension and weight-transfer backend) + MoE BF16 through the backend
-#   learned  dense and MoE MXFP8 on Marlin with MXREFIT_LEARNED_LAYOUT=1 (learned byte gather), each against a fresh vLLM;
+#   learned  dense and MoE MXFP8 on Marlin with MXREFIT_LEARNED_LAYOUT=1 (learned byte gather), and MoE BF16 (the experts'
+#            identity, learn_identity), each against a fresh vLLM;
 #            the headline with it: MXREFIT_LEARNED_LAYOUT=1 HEADLINE_FMTS=mxfp8 bash scripts/gpu_vllm.sh run headline
 #   sleep    dense BF16 and MoE MXFP8 with enable_sleep_mode: sleep(level=1) / wake_up before every refit
 #   soak     MoE MXFP8, SOAK_REFITS (100) refits with generation between; worker resources sampled; oracle at the end
@@ -88,6 +89,8 @@ if has learned; then  # the Marlin MXFP8 engines with MXREFIT_LEARNED_LAYOUT=1 (
   VLLM_ALLOW_INSECURE_SERIALIZATION=1 MXREFIT_LEARNED_LAYOUT=1 oracle dense_mxfp8_learned --model dense --fmt mxfp8 --via ext
   VLLM_ALLOW_INSECURE_SERIALIZATION=1 MXREFIT_LEARNED_LAYOUT=1 oracle moe_mxfp8_learned --model moe --fmt mxfp8 --via ext --max-batched-tokens 512
   VLLM_ALLOW_INSECURE_SERIALIZATION=1 MXREFIT_LEARNED_LAYOUT=1 oracle moe_mxfp8_learned_wt --model moe --fmt mxfp8 --via wt --max-batched-tokens 512
+  # the BF16 experts' identity (learn_identity): its learned_layouts entry must say "identity" and the oracle pass
+  VLLM_ALLOW_INSECURE_SERIALIZATION=1 MXREFIT_LEARNED_LAYOUT=1 oracle moe_bf16_learned --model moe --fmt bf16 --via ext --max-batched-tokens 512
 fi
 if has sleep; then  # vLLM's sleep mode: sleep(level=1) / wake_up before every refit (SLEEP_MODELS=moe: the MoE run only)
   [[ ${SLEEP_MODELS:-dense,moe} == *dense* ]] && oracle dense_bf16_sleep --model dense --fmt bf16 --via ext --sleep

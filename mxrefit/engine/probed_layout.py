@@ -469,6 +469,74 @@ def derive(
     return layout
 
 
+@dataclass(frozen=True)
+class IdentityVerdict:
+    """What one run of the processing on the real weights says: it ``kept`` every byte, or
+    ``reason`` why not; ``decided`` False when that run cannot tell (the next refit may)."""
+
+    kept: bool
+    decided: bool
+    reason: str = ""
+
+
+def _constant(t: torch.Tensor) -> bool:
+    """Whether every element holds the same bits (a permutation of such a tensor looks like the identity)."""
+    if t.numel() < 2:
+        return True
+    words = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(t.element_size())
+    flat = _bytes(t).view(words) if words is not None else _bytes(t)
+    return not bool((flat != flat[0]).any())
+
+
+def learn_identity(
+    process: Callable[[Tensors], None],
+    read_kernel: Callable[[], Tensors],
+    staged: Tensors,
+    *,
+    watch: Callable[[], Tensors] | None = None,
+) -> IdentityVerdict:
+    """Run the processing once on the real weights and say whether it kept their bytes.
+
+    Why not ``derive``: its probes hold ~18 bytes of scratch per byte of the module (22 GB for one
+    Qwen3-30B-A3B layer's BF16 experts), while an identity is seen in the real run itself: every
+    kernel tensor then equals its staged tensor byte for byte. One sample proves less than the
+    probes, so the sample must say something: the module must have held other bytes before (a
+    refit of the weights it already serves tells nothing) and no staged tensor may be constant; and
+    what the processing keeps beside its parameters (``watch``) must not change with the weights.
+    The caller keys verdicts like ``LayoutCache`` (classes, backend, tensor signatures) and uses
+    this only where the processing is known to be a copy at most (vLLM's unquantized MoE experts on
+    CUDA's Triton backend); the module serves the real weights afterwards in every case."""
+    held = read_kernel()
+    changed = held.keys() != staged.keys() or any(
+        not torch.equal(_bytes(held[a]), _bytes(t)) for a, t in staged.items() if held[a].is_contiguous()
+    )
+    del held
+    watched = _Watch(watch)
+    watched.look()
+    process(staged)
+    watched.look()
+    kernel = read_kernel()
+    if kernel.keys() != staged.keys():
+        return IdentityVerdict(False, True, f"the kernel tensors {sorted(kernel)} are not the staged ones {sorted(staged)}")
+    for attr, t in staged.items():
+        k = kernel[attr]
+        if not k.is_contiguous() or k.numel() * k.element_size() != t.numel() * t.element_size():
+            return IdentityVerdict(
+                False, True, f"{attr}: the kernel tensor {tuple(k.shape)} {k.dtype} is not the staged bytes' size"
+            )
+        if not torch.equal(_bytes(k), _bytes(t)):
+            return IdentityVerdict(False, True, f"{attr}: the processing moved or computed bytes")
+    reason = watched.reason()
+    if reason is not None:
+        return IdentityVerdict(False, True, reason)
+    if not changed:
+        return IdentityVerdict(False, False, "the refit brought the bytes the module already held")
+    flat = [attr for attr, t in staged.items() if _constant(t)]
+    if flat:
+        return IdentityVerdict(False, False, f"constant staged tensors {flat}: a permutation would keep them too")
+    return IdentityVerdict(True, True)
+
+
 def tensor_signature(tensors: Tensors) -> tuple:
     """(name, shape, dtype, device) of each tensor: the part of a cache key the tensors give."""
     return tuple((name, tuple(t.shape), t.dtype, str(t.device)) for name, t in tensors.items())

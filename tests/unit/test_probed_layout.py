@@ -516,3 +516,70 @@ def test_interpreted_learning_times_the_kernels_and_keeps_the_bytes(monkeypatch,
     fresh = marlin_staged(3, seed=9)
     layout.apply(fresh, module.kernel())
     assert module.holds(fresh)
+
+
+def _experts(seed: int) -> Tensors:
+    """BF16 experts shaped like a small MoE layer's w13 (gate and up halves) and w2."""
+    return random_like(
+        {"w13_weight": torch.empty(4, 32, 16, dtype=torch.bfloat16), "w2_weight": torch.empty(4, 16, 16, dtype=torch.bfloat16)},
+        seed,
+    )
+
+
+def _swap_halves(t: Tensors) -> Tensors:
+    """FlashInfer CUTLASS's processing of w13: [w1; w3] -> [w3; w1]."""
+    w13 = t["w13_weight"]
+    half = w13.shape[1] // 2
+    return {"w13_weight": torch.cat([w13[:, half:], w13[:, :half]], 1), "w2_weight": t["w2_weight"].clone()}
+
+
+def test_identity_is_learned_from_one_real_run_and_a_permutation_is_refused():
+    """vLLM's unquantized MoE experts on CUDA/Triton: the processing keeps the bytes, seen on the real
+    weights alone (no probes); a row permutation of the same shape (negative control) is refused,
+    and the module serves the real weights either way."""
+    staged = _experts(1)
+    module = Processed(lambda t: {n: x.clone() for n, x in t.items()}, _experts(0))
+    module.process(_experts(0))  # what the engine served before this refit
+    verdict = probed_layout.learn_identity(module.process, module.kernel, staged)
+    assert verdict == probed_layout.IdentityVerdict(True, True), verdict
+    assert module.runs == 2 and module.holds(staged)
+    swapped = Processed(_swap_halves, _experts(0))
+    swapped.process(_experts(0))
+    verdict = probed_layout.learn_identity(swapped.process, swapped.kernel, staged)
+    assert verdict.decided and not verdict.kept and "w13_weight: the processing moved" in verdict.reason, verdict
+    assert swapped.holds(staged)
+
+
+def test_identity_is_not_decided_on_a_sample_that_cannot_tell():
+    """Weights the module already served (state kept beside them could follow the weights unseen), or
+    a constant tensor (a permutation would keep it too): undecided, and the module serves them."""
+    staged = _experts(1)
+    plain = Processed(lambda t: {n: x.clone() for n, x in t.items()}, staged)
+    plain.process(staged)  # already serving these weights
+    same = probed_layout.learn_identity(plain.process, plain.kernel, staged)
+    assert not same.decided and "already held" in same.reason, same
+    swapped = Processed(_swap_halves, staged)
+    swapped.process(staged)  # the same weights cannot hide a permutation: refused all the same
+    moved = probed_layout.learn_identity(swapped.process, swapped.kernel, staged)
+    assert moved.decided and not moved.kept, moved
+    flat = {n: torch.full_like(t, 0.5) for n, t in staged.items()}
+    plain.process(_experts(2))
+    verdict = probed_layout.learn_identity(plain.process, plain.kernel, flat)
+    assert not verdict.decided and "constant staged tensors" in verdict.reason, verdict
+    assert plain.holds(flat)
+
+
+def test_identity_is_refused_when_kept_state_follows_the_weights():
+    """A copy whose processing also keeps something computed from the weights (a prepacked handle's
+    tensor, an amax) would go stale on a plain copy: refused."""
+    staged = _experts(1)
+    module = Processed(lambda t: {n: x.clone() for n, x in t.items()}, _experts(0))
+    module.process(_experts(0))
+    kept = {"amax": staged["w2_weight"].new_zeros(())}
+
+    def process(tensors: Tensors) -> None:
+        module.process(tensors)
+        kept["amax"] = tensors["w2_weight"].abs().amax()
+
+    verdict = probed_layout.learn_identity(process, module.kernel, staged, watch=lambda: dict(kept))
+    assert verdict.decided and not verdict.kept and "['amax']" in verdict.reason, verdict

@@ -47,7 +47,7 @@ import torch
 
 from mxrefit.devices import resolve
 from mxrefit.engine.base import Engine
-from mxrefit.engine.probed_layout import LayoutCache, tensor_signature
+from mxrefit.engine.probed_layout import IdentityVerdict, LayoutCache, learn_identity, tensor_signature
 from mxrefit.engine.staging import StagedUnit, StagingPool
 from mxrefit.formats.kernel_layout import KernelLayout, read_reference
 from mxrefit.integrations.vllm.compat import (
@@ -541,6 +541,18 @@ def _marlin_mxfp8(module: torch.nn.Module) -> bool:
     return False
 
 
+def _triton_unquantized_experts(module: torch.nn.Module) -> bool:
+    """Unquantized MoE experts on the Triton backend of CUDA (not ROCm, which pads them): the one
+    unquantized MoE processing read to be a copy at most (vLLM 0.26, ``convert_to_unquantized_kernel_format``)."""
+    qm = getattr(module, "quant_method", None)
+    backend = getattr(qm, "unquantized_backend", None)
+    return (
+        type(qm).__name__ == "UnquantizedFusedMoEMethod"
+        and str(getattr(backend, "name", backend)).upper() == "TRITON"
+        and torch.version.hip is None
+    )
+
+
 def _trtllm_moe(module: torch.nn.Module) -> bool:
     """True for an MXFP8 MoE layer on FlashInfer's TRT-LLM backend (Blackwell)."""
     qm = getattr(module, "quant_method", None)
@@ -607,10 +619,13 @@ class VllmEngine(Engine):
         # prepacks them into oneDNN state no probe sees). Not probed: larger ones, embeddings and unquantized
         # MoE experts, since a probe holds ~18 bytes of scratch per byte of the module (int64 codes and
         # sums) beside a full engine (5 GB for a 30B model's embedding), and vLLM's reload of those is rare.
+        # Unquantized MoE experts on CUDA's Triton backend, whose processing is a copy at most, are
+        # checked instead on their first real refit (``learn_identity``) and then copied plainly.
         learned = os.environ.get("MXREFIT_LEARNED_LAYOUT", "")
         self._layouts = LayoutCache() if learned in ("1", "quantized") else None
         self._learn_quantized = learned == "quantized"
         self._learn_unquantized = self._device.type == "cuda"
+        self._identities: dict[tuple, IdentityVerdict] = {}  # per expert signature, once decided
         self.learned_layouts: dict[str, str] = {}  # per signature: "learned (...)" or "refused: why"
         self._checkpoint_targets: dict[str, list[tuple[str, Target]]] = {}
         self._checkpoint: dict[str, torch.Tensor] | None = None
@@ -804,6 +819,8 @@ class VllmEngine(Engine):
             self._trtllm_fast_path(module, staged, unit.attrs)
         elif self._layouts is not None and self._probed(module, staged):
             self._learned_layout(self._layouts, module, staged)
+        elif self._layouts is not None and self._learn_unquantized and _triton_unquantized_experts(module):
+            self._identity(module, staged)
         elif _needs_vllm_processing(module):
             _process_with_vllm(module, staged)
         else:
@@ -857,6 +874,48 @@ class VllmEngine(Engine):
                 kernels = ", ".join(f"{a} {k}" for a, k in result.kernels.items())
                 self.learned_layouts[what] = f"learned ({result.index_bytes / 2**20:.1f} MiB of index; {kernels})"
                 log.info("mxrefit: learned the layout of %s (%.1f MiB of index; %s)", what, result.index_bytes / 2**20, kernels)
+
+    def _identity(self, module: torch.nn.Module, staged: dict[str, torch.Tensor]) -> None:
+        """Unquantized MoE experts whose processing keeps the bytes (vLLM 0.26's Triton backend on
+        CUDA: ``contiguous()`` and a copy into the same storage, which the reload here turns into
+        three passes or more): a plain copy once the first module of the signature showed it on real
+        weights (``learn_identity``); a refusal keeps vLLM's processing, as does a refit that
+        cannot tell (it is tried again on the next)."""
+
+        def kernel() -> dict[str, torch.Tensor]:
+            return {a: _param(module, a).data for a in staged}
+
+        qm = module.quant_method
+        key = (
+            type(module),
+            type(qm),
+            str(getattr(qm, "unquantized_backend", "")),
+            torch.get_default_dtype(),
+            tensor_signature(staged),
+            tensor_signature(kernel()),
+        )
+        known = self._identities.get(key)
+        if known is not None and known.kept:
+            for attr, t in staged.items():
+                _param(module, attr).data.copy_(t)
+            return
+        if known is not None:
+            _process_with_vllm(module, staged)
+            return
+        verdict = learn_identity(
+            lambda t: _process_with_vllm(module, t), kernel, staged, watch=lambda: _state_beside_params(module, staged)
+        )
+        what = f"{type(qm).__name__} {' '.join(f'{a}{list(t.shape)}' for a, t in staged.items())}"
+        if not verdict.decided:
+            log.info("mxrefit: %s: identity not decided on this refit (%s)", what, verdict.reason)
+            return
+        self._identities[key] = verdict
+        if verdict.kept:
+            self.learned_layouts[what] = "learned (identity: a plain copy)"
+            log.info("mxrefit: %s: vLLM's processing keeps the bytes; a plain copy from now on", what)
+        else:
+            self.learned_layouts[what] = f"refused: {verdict.reason}"
+            log.warning("mxrefit: no identity for %s (%s): vLLM's processing runs every refit", what, verdict.reason)
 
     def _trtllm_fast_path(self, module: torch.nn.Module, staged: dict[str, torch.Tensor], names: dict[str, str]) -> None:
         """The layer's bytes into FlashInfer's TRT-LLM layout: a plain copy where the trainer wrote that
