@@ -387,7 +387,8 @@ def bench(
     """Run the benchmark and return one JSON-able object with every figure. ``fmt``: the engine's
     quantized format (``FORMATS``); ``post`` None picks its default (``resolve_post``); ``peers``:
     other projects' refit paths run on the same tensors after mxrefit's modes (``peer.PEERS``);
-    ``trace``: a folder for one profiled refit per mode (``trace_<model>_<mode>.json``)."""
+    ``trace``: a folder for one profiled refit per mode (``trace_<model>_<mode>.json``, the model's
+    ``@`` written ``_``: file names stay letters, digits, ``.``, ``_`` and ``-``, which every tool copies)."""
     from rich.progress import Progress
 
     post = resolve_post(fmt, post)
@@ -421,7 +422,7 @@ def bench(
                 post=post,
                 fmt=fmt,
                 on_step=functools.partial(bar.advance, task),
-                trace=Path(trace) / f"trace_{shape.name}_{mode}.json" if trace else None,
+                trace=Path(trace) / f"trace_{shape.name.replace('@', '_')}_{mode}.json" if trace else None,
             )
         peer_results = {}
         for peer in peers:
