@@ -459,6 +459,8 @@ def cmd_run(args) -> int:
                 f"{tag}: refit {step} {entry['refit_ms']:.1f} ms ({report.transport}, {report.bytes / 1e6:.2f} MB), "
                 f"tokens {now['tokens'][0]}"
             )
+            if learned and step == args.refits:
+                log(f"{tag}: learned layouts {learned}")
             if args.stats_every and (step % args.stats_every == 0 or step == 1):
                 result["resources"].append({"step": step, **worker_stats(llm)})
             if not args.oracle_last or step == args.refits:
