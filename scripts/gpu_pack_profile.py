@@ -27,6 +27,14 @@ from mxrefit.formats._triton_common import LaunchTable
 from mxrefit.formats.finite_check import FiniteCheck
 
 
+def copy_row(traffic: int, dev: torch.device) -> dict:
+    """A device copy moving ``traffic`` bytes (half read, half written): the row every kernel row is read against."""
+    a = torch.empty(traffic // 2, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    s = timed(lambda: b.copy_(a))
+    return {"s": s, "GBps": traffic / s / 1e9}
+
+
 def loop_rows(srcs: list[torch.Tensor], outs: list, traffic: int, dev: torch.device) -> dict:
     """The library's grouped kernel alone (no host-side address check) at each run length ``iters``
     (runs of ``nb`` blocks per program; the library's default is nb 128, iters 1), its bytes
@@ -101,10 +109,7 @@ def layout_rows(layers: int, dev: torch.device, e: int = 128, i_: int = 768, h: 
         exact = all(torch.equal(a, b) and torch.equal(c, d) for (a, c), (b, d) in zip(got, want))
         s = timed(lambda: group(srcs, 0, bad))
         rows[f"layout_nb128_i{iters}_w4"] = {"s": s, "GBps": traffic / s / 1e9, "bytes_equal": exact}
-    a = torch.empty(traffic // 2, dtype=torch.uint8, device=dev)
-    b = torch.empty_like(a)
-    s = timed(lambda: b.copy_(a))
-    rows["copy_layout_traffic"] = {"s": s, "GBps": traffic / s / 1e9}
+    rows["copy_layout_traffic"] = copy_row(traffic, dev)
     return rows
 
 
@@ -136,10 +141,7 @@ def passthrough_rows(srcs: list[torch.Tensor], dev: torch.device) -> dict:
                 rows[f"passthrough_c{chunk}_b{block}_w{warps}"] = {"s": s, "GBps": 2 * nbytes / s / 1e9, "bytes_equal": exact}
     s = timed(lambda: torch._foreach_copy_(outs, srcs))
     rows["passthrough_foreach_copy"] = {"s": s, "GBps": 2 * nbytes / s / 1e9}
-    a = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-    b = torch.empty_like(a)
-    s = timed(lambda: b.copy_(a))
-    rows["copy_passthrough_traffic"] = {"s": s, "GBps": 2 * nbytes / s / 1e9}
+    rows["copy_passthrough_traffic"] = copy_row(2 * nbytes, dev)
     return rows
 
 
@@ -212,10 +214,7 @@ def main() -> None:
     rows["finite_check"] = {"s": s, "GBps_read": nbytes / s / 1e9}
     s = timed(lambda: torch._foreach_norm(srcs))
     rows["foreach_norm"] = {"s": s, "GBps_read": nbytes / s / 1e9}
-    a = torch.empty(traffic // 2, dtype=torch.uint8, device=dev)
-    b = torch.empty_like(a)
-    s = timed(lambda: b.copy_(a))
-    rows["copy_same_traffic"] = {"s": s, "GBps": traffic / s / 1e9}
+    rows["copy_same_traffic"] = copy_row(traffic, dev)
     rows.update(passthrough_rows(srcs, dev))
     rows.update(trtllm_rows(dev))
     rows.update(layout_rows(args.layers, dev))

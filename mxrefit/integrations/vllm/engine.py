@@ -36,6 +36,7 @@ one adapter per difference, chosen by feature detection (docs/vllm.md §4).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -541,6 +542,30 @@ def _marlin_mxfp8(module: torch.nn.Module) -> bool:
     return False
 
 
+def _kernel_tensors(module: torch.nn.Module, staged: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The module's live tensors of the staged attributes (what its processing writes)."""
+    return {a: _param(module, a).data for a in staged}
+
+
+def _processing_key(module: torch.nn.Module, staged: dict[str, torch.Tensor], *backend: object) -> tuple:
+    """What a module's processing depends on besides its bytes, for caching what was learned of it:
+    the module and quant-method classes, the caller's ``backend`` parts, the default dtype (scales
+    pass through it) and the staged and kernel tensors' signatures."""
+    return (
+        type(module),
+        type(module.quant_method),
+        *backend,
+        torch.get_default_dtype(),
+        tensor_signature(staged),
+        tensor_signature(_kernel_tensors(module, staged)),
+    )
+
+
+def _described(module: torch.nn.Module, staged: dict[str, torch.Tensor]) -> str:
+    """The quant method and staged shapes, as ``learned_layouts`` and the logs name a signature."""
+    return f"{type(module.quant_method).__name__} {' '.join(f'{a}{list(t.shape)}' for a, t in staged.items())}"
+
+
 def _triton_unquantized_experts(module: torch.nn.Module) -> bool:
     """Unquantized MoE experts on the Triton backend of CUDA (not ROCm, which pads them): the one
     unquantized MoE processing read to be a copy at most (vLLM 0.26, ``convert_to_unquantized_kernel_format``)."""
@@ -841,20 +866,9 @@ class VllmEngine(Engine):
     def _learned_layout(self, layouts: LayoutCache, module: torch.nn.Module, staged: dict[str, torch.Tensor]) -> None:
         """Marlin MXFP8 processing as a byte gather learned from vLLM's own processing of the first
         module of each signature (``engine/probed_layout.py``); a signature it refuses keeps vLLM's."""
-
-        def kernel() -> dict[str, torch.Tensor]:
-            return {a: _param(module, a).data for a in staged}
-
         qm = module.quant_method
-        key = (
-            type(module),
-            type(qm),
-            type(getattr(qm, "kernel", None)),
-            str(getattr(qm, "mxfp8_backend", "")),
-            torch.get_default_dtype(),
-            tensor_signature(staged),
-            tensor_signature(kernel()),
-        )
+        kernel = functools.partial(_kernel_tensors, module, staged)
+        key = _processing_key(module, staged, type(getattr(qm, "kernel", None)), str(getattr(qm, "mxfp8_backend", "")))
         new = key not in layouts.entries
         experts = staged["w13_weight"].shape[0] if "w13_weight" in staged else 1
         result = layouts.run(
@@ -866,7 +880,7 @@ class VllmEngine(Engine):
             watch=lambda: _state_beside_params(module, staged),
         )
         if new:
-            what = f"{type(qm).__name__} {' '.join(f'{a}{list(t.shape)}' for a, t in staged.items())}"
+            what = _described(module, staged)
             if isinstance(result, str):
                 self.learned_layouts[what] = f"refused: {result}"
                 log.warning("mxrefit: no learned layout for %s (%s): vLLM's processing runs every refit", what, result)
@@ -881,19 +895,8 @@ class VllmEngine(Engine):
         three passes or more): a plain copy once the first module of the signature showed it on real
         weights (``learn_identity``); a refusal keeps vLLM's processing, as does a refit that
         cannot tell (it is tried again on the next)."""
-
-        def kernel() -> dict[str, torch.Tensor]:
-            return {a: _param(module, a).data for a in staged}
-
-        qm = module.quant_method
-        key = (
-            type(module),
-            type(qm),
-            str(getattr(qm, "unquantized_backend", "")),
-            torch.get_default_dtype(),
-            tensor_signature(staged),
-            tensor_signature(kernel()),
-        )
+        kernel = functools.partial(_kernel_tensors, module, staged)
+        key = _processing_key(module, staged, str(getattr(module.quant_method, "unquantized_backend", "")))
         known = self._identities.get(key)
         if known is not None and known.kept:
             for attr, t in staged.items():
@@ -905,7 +908,7 @@ class VllmEngine(Engine):
         verdict = learn_identity(
             lambda t: _process_with_vllm(module, t), kernel, staged, watch=lambda: _state_beside_params(module, staged)
         )
-        what = f"{type(qm).__name__} {' '.join(f'{a}{list(t.shape)}' for a, t in staged.items())}"
+        what = _described(module, staged)
         if not verdict.decided:
             log.info("mxrefit: %s: identity not decided on this refit (%s)", what, verdict.reason)
             return
