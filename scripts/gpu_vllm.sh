@@ -148,6 +148,7 @@ if has bench; then
     timeout 200 python3 scripts/gpu_pack_profile.py --json $RES/pack_profile.json > $RES/pack_profile.log 2>&1
     b peer_bf16 --layers 24 --format bf16 --mode prequant --peer checkpoint-engine --steps 5
     b mxfp8 --layers $full --mode checks --steps 5                            # default, fused screen, verify, transactional
+    b bf16 --layers 24 --format bf16 --mode checks --steps 5                  # the BF16 engine's default and fused screen
     b mxfp8_staged --layers $full --mode prequant --post trtllm-staged --steps 5  # the two-pass layout, for comparison
     b mxfp8_grouped --layers $full --mode prequant --experts grouped --steps 5    # every TRT-LLM layout from the trainer
     b sweep --mode prequant --sweep-layers $sweep --steps 3 --plot $RES/sweep_30b.png
