@@ -148,7 +148,8 @@ if has bench; then
     timeout 200 python3 scripts/gpu_pack_profile.py --json $RES/pack_profile.json > $RES/pack_profile.log 2>&1
     b peer_bf16 --layers 24 --format bf16 --mode prequant --peer checkpoint-engine --steps 5
     b mxfp8 --layers $full --mode checks --steps 5                            # default, fused screen, verify, transactional
-    b bf16 --layers 24 --format bf16 --mode checks --steps 5                  # the BF16 engine's default and fused screen
+    b bf16_fused --layers 24 --format bf16 --mode prequant-fused --steps 5   # the BF16 engine's fused screen (peer_bf16 has its default;
+                                                                              # --mode checks would hold a 31 GB shadow too)
     b mxfp8_staged --layers $full --mode prequant --post trtllm-staged --steps 5  # the two-pass layout, for comparison
     b mxfp8_grouped --layers $full --mode prequant --experts grouped --steps 5    # every TRT-LLM layout from the trainer
     b sweep --mode prequant --sweep-layers $sweep --steps 3 --plot $RES/sweep_30b.png
