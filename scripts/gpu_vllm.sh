@@ -122,8 +122,10 @@ if has headline; then
   # which vLLM's msgspec RPC refuses unless the pickle fallback is allowed (mxrefit's own channel never pickles).
   # HEADLINE_PROFILE=1: vLLM's processing timed per module kind; it syncs the device around every module, so timed
   # runs leave it off (the H200's BF16 refit timed with it on 2026-12-05: 242 ms; without it on 2026-12-04: 144 ms)
+  # HEADLINE_TAG names the files (headline_TAG.json), so one call runs the headline twice with other arguments
+  tag=${HEADLINE_TAG:+_$HEADLINE_TAG}
   MXREFIT_PROFILE=${HEADLINE_PROFILE:-0} VLLM_ALLOW_INSECURE_SERIALIZATION=1 PYTHONPATH=$PYTHONPATH:$PWD/scripts/vllm_hooks/noray timeout ${HEADLINE_TIMEOUT:-500} python3 scripts/vllm_headline.py \
-    --fmts ${HEADLINE_FMTS:-mxfp8,bf16} ${HEADLINE_ARGS:-} --json $RES/headline.json > $RES/headline.log 2>&1 &
+    --fmts ${HEADLINE_FMTS:-mxfp8,bf16} ${HEADLINE_ARGS:-} --json $RES/headline$tag.json > $RES/headline$tag.log 2>&1 &
   pids+=($!)
 fi
 if has gather; then  # the learned byte gather alone on vLLM's Marlin layouts of Qwen3-30B-A3B: kernel variants against a copy
@@ -158,7 +160,7 @@ if has bench; then
 fi
 for p in "${pids[@]}"; do wait $p; done
 {
-  for f in $RES/oracle_*.log $RES/moe_hang.out $RES/headline.log $RES/gather.log $RES/trl.log $RES/pytest_*.log $RES/bench_*.log; do
+  for f in $RES/oracle_*.log $RES/moe_hang.out $RES/headline*.log $RES/gather.log $RES/trl.log $RES/pytest_*.log $RES/bench_*.log; do
     [[ -f $f ]] || continue
     echo "== $(basename $f)"; grep -E "oracle:|moe_hang:|headline:|gather|GB/s|trl_bench:|VARIANT-|Error|error:|passed|failed|total, ms|x copy floor|intercept|checkpoint-engine" $f | grep -v "^\s*$" | tail -14
   done
