@@ -9,7 +9,7 @@ is NB 128, ITERS 4); ``group_*`` rows time the library call, its host-side addre
 included; every row's bytes are checked against the library call's. ``layout_*`` rows time the
 kernel-layout launch (TRT-LLM rows, 128x4 scale tiles) at 1, 2 and 4 runs per program;
 ``passthrough_*`` rows a BF16 engine's screening copy at several chunk/block sizes against
-``_foreach_copy_``.
+``_foreach_copy_`` (``passthrough_x2_*`` / ``_x4_*``: BF16 pairs or quads per word).
 
     PYTHONPATH=$PWD python3 scripts/gpu_pack_profile.py --json $OUT/pack_profile.json
 """
@@ -139,6 +139,31 @@ def passthrough_rows(srcs: list[torch.Tensor], dev: torch.device) -> dict:
                 exact = all(torch.equal(o, t) for o, t in zip(outs, srcs))
                 s = timed(lambda: group(srcs, bad))
                 rows[f"passthrough_c{chunk}_b{block}_w{warps}"] = {"s": s, "GBps": 2 * nbytes / s / 1e9, "bytes_equal": exact}
+    # wider words: BF16 pairs (int32) and quads (int64), chunk and block counted in words, so the
+    # same bytes per program and per iteration as the rows above take fewer lanes and registers
+    for lanes in (2, 4):
+        for chunk, block in ((16384 // lanes, 2048 // lanes), (16384 // lanes, 4096 // lanes), (16384, 1024)):
+            for warps in (4, 8):
+                group = CopyGroup(
+                    numels,
+                    torch.bfloat16,
+                    outs,
+                    list(range(len(srcs))),
+                    dev,
+                    chunk=chunk,
+                    block=block,
+                    num_warps=warps,
+                    lanes=lanes,
+                )
+                flat.zero_()
+                group(srcs, bad)
+                exact = all(torch.equal(o, t) for o, t in zip(outs, srcs))
+                s = timed(lambda: group(srcs, bad))
+                rows[f"passthrough_x{lanes}_c{chunk}_b{block}_w{warps}"] = {
+                    "s": s,
+                    "GBps": 2 * nbytes / s / 1e9,
+                    "bytes_equal": exact,
+                }
     s = timed(lambda: torch._foreach_copy_(outs, srcs))
     rows["passthrough_foreach_copy"] = {"s": s, "GBps": 2 * nbytes / s / 1e9}
     rows["copy_passthrough_traffic"] = copy_row(2 * nbytes, dev)

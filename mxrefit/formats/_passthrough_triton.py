@@ -24,6 +24,17 @@ _EXP_MASK = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00, torch.float32: 0x7F8
 
 
 @triton.jit
+def _exp_hits(words, EXP_MASK: tl.constexpr, ELEM_BITS: tl.constexpr, LANES: tl.constexpr):
+    """1 where any of a word's LANES elements has all exponent bits set (Inf/NaN), else 0."""
+    if LANES == 1:
+        return ((words.to(tl.int32) & EXP_MASK) == EXP_MASK).to(tl.int32)
+    hit = ((words & EXP_MASK) == EXP_MASK).to(tl.int32)
+    for j in tl.static_range(1, LANES):
+        hit = hit | (((words >> (j * ELEM_BITS)) & EXP_MASK) == EXP_MASK).to(tl.int32)
+    return hit
+
+
+@triton.jit
 def _copy_kernel(
     prog_tensor,
     prog_chunk,
@@ -34,6 +45,7 @@ def _copy_kernel(
     bad_ptr,
     EXP_MASK: tl.constexpr,
     WORD_BITS: tl.constexpr,
+    LANES: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
     ALIGNED: tl.constexpr,
@@ -45,9 +57,12 @@ def _copy_kernel(
     if WORD_BITS == 16:
         src = tl.load(src_addr + t).to(tl.pointer_type(tl.int16))
         dst = tl.load(dst_addr + t).to(tl.pointer_type(tl.int16))
-    else:
+    elif WORD_BITS == 32:
         src = tl.load(src_addr + t).to(tl.pointer_type(tl.int32))
         dst = tl.load(dst_addr + t).to(tl.pointer_type(tl.int32))
+    else:
+        src = tl.load(src_addr + t).to(tl.pointer_type(tl.int64))
+        dst = tl.load(dst_addr + t).to(tl.pointer_type(tl.int64))
     if ALIGNED:  # a tabled address carries no alignment: say it, or every access is scalar
         src = tl.multiple_of(src, 16)
         dst = tl.multiple_of(dst, 16)
@@ -57,14 +72,14 @@ def _copy_kernel(
             offs = start + i + tl.arange(0, BLOCK)
             words = tl.load(src + offs)
             tl.store(dst + offs, words)
-            hits = hits | ((words.to(tl.int32) & EXP_MASK) == EXP_MASK).to(tl.int32)
+            hits = hits | _exp_hits(words, EXP_MASK, WORD_BITS // LANES, LANES)
     else:
         for i in range(0, CHUNK, BLOCK):
             offs = start + i + tl.arange(0, BLOCK)
             inside = offs < n
             words = tl.load(src + offs, mask=inside, other=0)
             tl.store(dst + offs, words, mask=inside)
-            hits = hits | ((words.to(tl.int32) & EXP_MASK) == EXP_MASK).to(tl.int32)
+            hits = hits | _exp_hits(words, EXP_MASK, WORD_BITS // LANES, LANES)
     any_hit = tl.max(hits, axis=0)
     tl.atomic_min(bad_ptr, tl.load(caller_index + t), mask=any_hit > 0)
 
@@ -88,18 +103,30 @@ class CopyGroup:
         chunk: int = CHUNK,
         block: int = 2048,
         num_warps: int = 4,
+        lanes: int = 1,
     ):
+        """``lanes`` > 1 moves that many elements per word (BF16 pairs as int32, quads as int64) and
+        tests each one's exponent: the profile's variant (``chunk`` and ``block`` then count words);
+        every tensor's size must divide by it and every address by the word's bytes."""
         if dtype not in _EXP_MASK:
             raise ValueError(f"the passthrough kernel copies {list(_EXP_MASK)}, got {dtype}")
+        word_bits = dtype.itemsize * 8 * lanes
+        if word_bits not in (16, 32, 64):
+            raise ValueError(f"{lanes} {dtype} elements per word make a {word_bits}-bit word; the kernel moves 16, 32 or 64")
         for o, n in zip(outs, numels):
             if o.dtype != dtype or o.numel() != n or not o.is_contiguous():
                 raise ValueError(f"destination must be a contiguous {dtype} of {n} elements, got {o.dtype} {tuple(o.shape)}")
+            if n % lanes or o.data_ptr() % (word_bits // 8):
+                raise ValueError(f"{lanes} elements per word need sizes divisible by {lanes} and {word_bits // 8}-byte addresses")
         self.dtype = dtype
+        self.lanes = lanes
+        self.word_bits = word_bits
         self.chunk = chunk
         self.block = min(block, chunk)
         self.num_warps = num_warps
-        self.table = LaunchTable([-(-n // chunk) for n in numels], 1, [(o,) for o in outs], device, "passthrough copy")
-        self.numel_of = self.table.ints(numels, torch.int64)
+        words = [n // lanes for n in numels]
+        self.table = LaunchTable([-(-w // chunk) for w in words], 1, [(o,) for o in outs], device, "passthrough copy")
+        self.numel_of = self.table.ints(words, torch.int64)
         self.caller_index = self.table.ints(caller_index, torch.int32)
         self._dst_aligned = all(o.data_ptr() % 16 == 0 for o in outs)
         self._aligned = False
@@ -110,6 +137,8 @@ class CopyGroup:
             for s in sources:
                 if s.dtype != self.dtype:
                     raise ValueError(f"passthrough copy group of {self.dtype} got a {s.dtype} source")
+            if any(a % (self.word_bits // 8) for a in table.src_addresses):
+                raise ValueError(f"{self.lanes} elements per word need {self.word_bits // 8}-byte source addresses")
             self._aligned = self._dst_aligned and all(a % 16 == 0 for a in table.src_addresses)
         if table.programs == 0:
             return
@@ -122,7 +151,8 @@ class CopyGroup:
             self.caller_index,
             bad,
             EXP_MASK=_EXP_MASK[self.dtype],
-            WORD_BITS=self.dtype.itemsize * 8,
+            WORD_BITS=self.word_bits,
+            LANES=self.lanes,
             CHUNK=self.chunk,
             BLOCK=self.block,
             ALIGNED=self._aligned,

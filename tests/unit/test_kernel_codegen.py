@@ -53,7 +53,12 @@ KERNELS = {
     ),
     "passthrough copy": (
         _passthrough_triton._copy_kernel,
-        dict(EXP_MASK=MASK, WORD_BITS=16, CHUNK=16384, BLOCK=2048),
+        dict(EXP_MASK=MASK, WORD_BITS=16, LANES=1, CHUNK=16384, BLOCK=2048),
+        True,
+    ),
+    "passthrough copy, BF16 pairs": (
+        _passthrough_triton._copy_kernel,
+        dict(EXP_MASK=MASK, WORD_BITS=32, LANES=2, CHUNK=8192, BLOCK=1024),
         True,
     ),
     "finite scan": (_finite_check_triton._scan_kernel, dict(EXP_MASK=MASK, WORD_BITS=16, CHUNK=16384, BLOCK=2048), False),

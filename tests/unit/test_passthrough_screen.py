@@ -135,3 +135,44 @@ def test_triton_kernel_on_the_gpu_copies_and_flags():
                 assert first_bad(bad) == where
 
     cuda_check()
+
+
+_LANES = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from mxrefit.formats import _passthrough_triton as k
+from mxrefit.formats._common import NO_BAD, bad_flag, first_bad
+
+g = torch.Generator().manual_seed(1)
+for dtype, lanes in ((torch.bfloat16, 2), (torch.bfloat16, 4), (torch.float16, 2), (torch.float32, 2)):
+    # sizes divisible by lanes; the 2 x 1000 one spans several 64-word chunks with a ragged tail
+    srcs = [torch.randn(s, generator=g).to(dtype) for s in ((4,), (2, 1000), (12,))]
+    outs = [torch.zeros_like(s) for s in srcs]
+    group = k.CopyGroup([s.numel() for s in srcs], dtype, outs, [0, 1, 2], torch.device("cpu"), chunk=64, block=16, lanes=lanes)
+    bad = bad_flag(torch.device("cpu"))
+    group(srcs, bad)
+    assert int(bad.item()) == NO_BAD, (dtype, lanes)  # negative control: all finite
+    assert all(torch.equal(o, s) for o, s in zip(outs, srcs))
+    for where in range(3):
+        for lane in range(lanes):  # a NaN in every position of a word is seen, not only the lowest
+            ts = [s.clone() for s in srcs]
+            ts[where].view(-1)[ts[where].numel() - lanes + lane] = float("nan")
+            bad.fill_(NO_BAD)
+            group(ts, bad)
+            assert first_bad(bad) == where, (dtype, lanes, where, lane)
+            assert all(torch.equal(o.view(-1)[:-lanes], s.view(-1)[:-lanes]) for o, s in zip(outs, ts))
+for numel, lanes in ((7, 2), (6, 4)):
+    try:
+        k.CopyGroup([numel], torch.bfloat16, [torch.zeros(numel, dtype=torch.bfloat16)], [0], torch.device("cpu"), lanes=lanes)
+    except ValueError as err:
+        assert "divisible" in str(err), err
+    else:
+        raise AssertionError(f"{numel} elements in words of {lanes} were accepted")
+print("ok")
+"""
+
+
+def test_wider_words_copy_and_flag_every_lane_under_the_interpreter():
+    """``lanes`` > 1 (the pack profile's variant): several elements per word, each one's exponent tested."""
+    pytest.importorskip("triton")
+    run_under_triton_interpreter(_LANES)
