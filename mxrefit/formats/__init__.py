@@ -10,7 +10,8 @@ Non-finite input: the sender either screens every source in a pass of its own be
 moves (``check_finite=True``, the default), or builds its encoders with ``screen=True``
 (``check_finite=False``), and then every format reports NaN/Inf in ``bad`` in the same pass
 that encodes: the quantized formats always do (their kernels see each block's amax), the
-passthrough format only when asked, so the default path does not test its bytes twice.
+passthrough format only when asked (on CUDA its grouped copy tests exponents in the read it
+makes anyway), so the default path never reads its bytes a second time for it.
 """
 
 from __future__ import annotations
