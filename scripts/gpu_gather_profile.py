@@ -149,21 +149,25 @@ def granule(index: torch.Tensor) -> int:
     return 1
 
 
-def write_group_bytes(index: torch.Tensor, block: int = 32, largest: int = 1 << 16) -> int | None:
-    """The smallest aligned output group (a power of two from ``block`` bytes up to ``largest`` and under
-    half the index, where it would be trivially true) in which every group reads whole ``block``-byte
-    input blocks, each once; None where no such size exists.
+def write_group_bytes(index: torch.Tensor, block: int = 32, largest: int = 1 << 20) -> int | None:
+    """The smallest aligned output group (from ``block`` bytes up to ``largest`` and under half the
+    index, where it would be trivially true) in which every group reads whole ``block``-byte input
+    blocks, each once; None where no such size exists. Sizes tried: powers of two, and multiples of
+    1 KB that divide the index (a group of two Marlin k-tile rows is 32 x N bytes: 160 KB for
+    qkv's N = 5,120, 48 KB for w13's 1,536, neither a power of two).
     Why: a trainer-side kernel can write such a layout itself, one group per program, since a group
     holds every value of the MXFP8 blocks it needs a scale for (docs/vllm.md, next design step)."""
     idx = index.to(torch.int64)
-    size = block
-    while size <= min(largest, idx.numel() // 2):
-        if idx.numel() % size == 0:
-            runs = (idx.view(-1, size) // block).sort(dim=1).values.view(-1, size // block, block)
-            whole = bool((runs == runs[..., :1]).all())
-            if whole and bool((runs[:, 1:, 0] != runs[:, :-1, 0]).all()):
-                return size
-        size *= 2
+    top = min(largest, idx.numel() // 2)
+    sizes = {1 << p for p in range(block.bit_length() - 1, top.bit_length()) if (1 << p) >= block}
+    sizes |= set(range(1024, top + 1, 1024))
+    for size in sorted(sizes):
+        if size > top or size % block or idx.numel() % size:
+            continue
+        runs = (idx.view(-1, size) // block).sort(dim=1).values.view(-1, size // block, block)
+        whole = bool((runs == runs[..., :1]).all())
+        if whole and bool((runs[:, 1:, 0] != runs[:, :-1, 0]).all()):
+            return size
     return None
 
 
