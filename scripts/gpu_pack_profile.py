@@ -9,7 +9,8 @@ is NB 128, ITERS 4); ``group_*`` rows time the library call, its host-side addre
 included; every row's bytes are checked against the library call's. ``layout_*`` rows time the
 kernel-layout launch (TRT-LLM rows, 128x4 scale tiles) at 1, 2 and 4 runs per program;
 ``passthrough_*`` rows a BF16 engine's screening copy at several chunk/block sizes against
-``_foreach_copy_`` (``passthrough_x2_*`` / ``_x4_*``: BF16 pairs or quads per word).
+``_foreach_copy_`` (``passthrough_x2_*`` / ``_x4_*``: BF16 pairs or quads per word); ``scan_*``
+rows the finite screen's launch alone at the same widths, against a read of the same bytes.
 
     PYTHONPATH=$PWD python3 scripts/gpu_pack_profile.py --json $OUT/pack_profile.json
 """
@@ -110,6 +111,41 @@ def layout_rows(layers: int, dev: torch.device, e: int = 128, i_: int = 768, h: 
         s = timed(lambda: group(srcs, 0, bad))
         rows[f"layout_nb128_i{iters}_w4"] = {"s": s, "GBps": traffic / s / 1e9, "bytes_equal": exact}
     rows["copy_layout_traffic"] = copy_row(traffic, dev)
+    return rows
+
+
+def scan_rows(srcs: list[torch.Tensor], nbytes: int, dev: torch.device) -> dict:
+    """The finite screen's launch alone (``ScanGroup``, no host sync) at several chunk, block, warp
+    and word widths (``_x2``/``_x4``: BF16 pairs or quads per word, chunk and block in words), each
+    checked to flag a NaN planted in the last tensor; ``read_reference`` is a torch reduction over
+    the same bytes, a read rate to hold them against (the screen reads, it does not write)."""
+    from mxrefit.formats._common import NO_BAD, bad_flag
+    from mxrefit.formats._finite_check_triton import ScanGroup
+
+    flat = torch.cat([t.view(-1) for t in srcs])
+    s = timed(lambda: torch.amax(flat))
+    rows = {"read_reference": {"s": s, "GBps_read": nbytes / s / 1e9}}
+    del flat
+    poisoned = list(srcs[:-1]) + [srcs[-1].clone()]
+    poisoned[-1].view(-1)[-1] = float("nan")
+    flag = bad_flag(dev)
+    callers = list(range(len(srcs)))
+    for lanes in (1, 2, 4):
+        for chunk, block in ((16384, 2048), (16384, 4096), (65536, 2048)):
+            for warps in (4, 8):
+                c, b = chunk // lanes, block // lanes
+                scan = ScanGroup([t.numel() for t in srcs], torch.bfloat16, dev, b, chunk=c, num_warps=warps, lanes=lanes)
+                flag.fill_(NO_BAD)
+                scan(poisoned, flag, callers)
+                flags_nan = int(flag.item()) == len(srcs) - 1
+                flag.fill_(NO_BAD)
+                s = timed(lambda: scan(srcs, flag, callers))
+                rows[f"scan_x{lanes}_c{c}_b{b}_w{warps}"] = {
+                    "s": s,
+                    "GBps_read": nbytes / s / 1e9,
+                    "flags_nan": flags_nan,
+                    "clean": int(flag.item()) == NO_BAD,
+                }
     return rows
 
 
@@ -239,6 +275,7 @@ def main() -> None:
     rows["finite_check"] = {"s": s, "GBps_read": nbytes / s / 1e9}
     s = timed(lambda: torch._foreach_norm(srcs))
     rows["foreach_norm"] = {"s": s, "GBps_read": nbytes / s / 1e9}
+    rows.update(scan_rows(srcs, nbytes, dev))
     rows["copy_same_traffic"] = copy_row(traffic, dev)
     rows.update(passthrough_rows(srcs, dev))
     rows.update(trtllm_rows(dev))

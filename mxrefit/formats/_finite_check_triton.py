@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mxrefit.formats._triton_common import exp_hits
+
 CHUNK = 16384
 
 
@@ -26,6 +28,7 @@ def _scan_kernel(
     flag,
     EXP_MASK: tl.constexpr,
     WORD_BITS: tl.constexpr,
+    LANES: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
     ALIGNED: tl.constexpr,
@@ -36,20 +39,22 @@ def _scan_kernel(
     n = tl.load(numel_of + t)
     if WORD_BITS == 16:
         src = tl.load(src_addr + t).to(tl.pointer_type(tl.int16))
-    else:
+    elif WORD_BITS == 32:
         src = tl.load(src_addr + t).to(tl.pointer_type(tl.int32))
+    else:
+        src = tl.load(src_addr + t).to(tl.pointer_type(tl.int64))
     if ALIGNED:  # a tabled address carries no alignment: say it, or every load is scalar
         src = tl.multiple_of(src, 16)
     hits = tl.zeros([BLOCK], dtype=tl.int32)
     if start + CHUNK <= n:  # whole chunk: no mask, so the loads vectorize
         for i in range(0, CHUNK, BLOCK):
-            words = tl.load(src + start + i + tl.arange(0, BLOCK)).to(tl.int32)
-            hits = hits | ((words & EXP_MASK) == EXP_MASK).to(tl.int32)
+            words = tl.load(src + start + i + tl.arange(0, BLOCK))
+            hits = hits | exp_hits(words, EXP_MASK, WORD_BITS // LANES, LANES)
     else:
         for i in range(0, CHUNK, BLOCK):
             offs = start + i + tl.arange(0, BLOCK)
-            words = tl.load(src + offs, mask=offs < n, other=0).to(tl.int32)
-            hits = hits | ((words & EXP_MASK) == EXP_MASK).to(tl.int32)
+            words = tl.load(src + offs, mask=offs < n, other=0)
+            hits = hits | exp_hits(words, EXP_MASK, WORD_BITS // LANES, LANES)
     any_hit = tl.max(hits, axis=0)
     tl.atomic_min(flag, tl.load(caller_index + t), mask=any_hit > 0)
 
@@ -60,14 +65,37 @@ _EXP_MASK = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00, torch.float32: 0x7F8
 class ScanGroup:
     """Tables for one dtype's tensors; call with the step's tensors (same order, contiguous)."""
 
-    def __init__(self, numels: list[int], dtype: torch.dtype, device: torch.device, block: int = 2048):
+    def __init__(
+        self,
+        numels: list[int],
+        dtype: torch.dtype,
+        device: torch.device,
+        block: int = 2048,
+        *,
+        chunk: int = CHUNK,
+        num_warps: int = 4,
+        lanes: int = 1,
+    ):
+        """``lanes`` > 1 reads that many elements per word (BF16 pairs as int32, quads as int64),
+        the pack profile's variant: ``chunk`` and ``block`` then count words, every size must
+        divide by it and every address by the word's bytes."""
+        word_bits = dtype.itemsize * 8 * lanes
+        if word_bits not in (16, 32, 64):
+            raise ValueError(f"{lanes} {dtype} elements per word make a {word_bits}-bit word; the kernel reads 16, 32 or 64")
+        if any(n % lanes for n in numels):
+            raise ValueError(f"{lanes} elements per word need sizes divisible by {lanes}")
         self.device = device
         self.dtype = dtype
-        self.block = block
+        self.block = min(block, chunk)
+        self.chunk = chunk
+        self.num_warps = num_warps
+        self.lanes = lanes
+        self.word_bits = word_bits
+        numels = [n // lanes for n in numels]
         prog_tensor: list[int] = []
         prog_start: list[int] = []
         for t, n in enumerate(numels):
-            starts = range(0, n, CHUNK)
+            starts = range(0, n, chunk)
             prog_tensor.extend([t] * len(starts))
             prog_start.extend(starts)
         as_dev = lambda xs, dt: torch.tensor(xs, dtype=dt, device=device)  # noqa: E731
@@ -87,6 +115,8 @@ class ScanGroup:
             for t in tensors:
                 if not t.is_contiguous() or t.dtype != self.dtype:
                     raise ValueError(f"finite check needs contiguous {self.dtype} tensors, got {t.dtype} strides {t.stride()}")
+            if any(a % (self.word_bits // 8) for a in addrs):
+                raise ValueError(f"{self.lanes} elements per word need {self.word_bits // 8}-byte addresses")
             self.src_addr.copy_(torch.tensor(addrs, dtype=torch.int64))
             self._last_src = addrs
             self._aligned = all(a % 16 == 0 for a in addrs)
@@ -103,9 +133,10 @@ class ScanGroup:
             self.caller_index,
             flag,
             EXP_MASK=_EXP_MASK[self.dtype],
-            WORD_BITS=self.dtype.itemsize * 8,
-            CHUNK=CHUNK,
+            WORD_BITS=self.word_bits,
+            LANES=self.lanes,
+            CHUNK=self.chunk,
             BLOCK=self.block,
             ALIGNED=self._aligned,
-            num_warps=4,
+            num_warps=self.num_warps,
         )

@@ -16,22 +16,11 @@ import torch
 import triton
 import triton.language as tl
 
-from mxrefit.formats._triton_common import LaunchTable
+from mxrefit.formats._triton_common import LaunchTable, exp_hits
 
 CHUNK = 16384  # elements per program
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _EXP_MASK = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00, torch.float32: 0x7F800000}
-
-
-@triton.jit
-def _exp_hits(words, EXP_MASK: tl.constexpr, ELEM_BITS: tl.constexpr, LANES: tl.constexpr):
-    """1 where any of a word's LANES elements has all exponent bits set (Inf/NaN), else 0."""
-    if LANES == 1:
-        return ((words.to(tl.int32) & EXP_MASK) == EXP_MASK).to(tl.int32)
-    hit = ((words & EXP_MASK) == EXP_MASK).to(tl.int32)
-    for j in tl.static_range(1, LANES):
-        hit = hit | (((words >> (j * ELEM_BITS)) & EXP_MASK) == EXP_MASK).to(tl.int32)
-    return hit
 
 
 @triton.jit
@@ -72,14 +61,14 @@ def _copy_kernel(
             offs = start + i + tl.arange(0, BLOCK)
             words = tl.load(src + offs)
             tl.store(dst + offs, words)
-            hits = hits | _exp_hits(words, EXP_MASK, WORD_BITS // LANES, LANES)
+            hits = hits | exp_hits(words, EXP_MASK, WORD_BITS // LANES, LANES)
     else:
         for i in range(0, CHUNK, BLOCK):
             offs = start + i + tl.arange(0, BLOCK)
             inside = offs < n
             words = tl.load(src + offs, mask=inside, other=0)
             tl.store(dst + offs, words, mask=inside)
-            hits = hits | _exp_hits(words, EXP_MASK, WORD_BITS // LANES, LANES)
+            hits = hits | exp_hits(words, EXP_MASK, WORD_BITS // LANES, LANES)
     any_hit = tl.max(hits, axis=0)
     tl.atomic_min(bad_ptr, tl.load(caller_index + t), mask=any_hit > 0)
 

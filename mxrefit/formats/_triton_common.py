@@ -4,6 +4,8 @@
   interpreter's own bf16 cast drops subnormals).
 - ``e4m3_rne``: round-to-nearest-even of ``value * 2**(127 - sb)`` to E4M3 with integer ops,
   for Triton's interpreter, whose fp8 cast does not round like the GPU.
+- ``exp_hits``: which raw words hold a non-finite element (all exponent bits set), one or
+  several elements per word (the passthrough copy and the finite scan).
 - ``LaunchTable``: one launch over many tensors: per-program (tensor, first unit) rows built
   once, destination addresses tabled once, source addresses re-sent only when they change.
 """
@@ -24,6 +26,17 @@ def supports(x: torch.Tensor) -> bool:
     if x.dtype not in (torch.bfloat16, torch.float16):
         return False
     return triton_runs_on(x.device)
+
+
+@triton.jit
+def exp_hits(words, EXP_MASK: tl.constexpr, ELEM_BITS: tl.constexpr, LANES: tl.constexpr):
+    """1 where any of a word's LANES elements has all exponent bits set (Inf/NaN), else 0."""
+    if LANES == 1:
+        return ((words.to(tl.int32) & EXP_MASK) == EXP_MASK).to(tl.int32)
+    hit = ((words & EXP_MASK) == EXP_MASK).to(tl.int32)
+    for j in tl.static_range(1, LANES):
+        hit = hit | (((words >> (j * ELEM_BITS)) & EXP_MASK) == EXP_MASK).to(tl.int32)
+    return hit
 
 
 @triton.jit

@@ -88,3 +88,40 @@ def test_triton_kernel_on_the_gpu_agrees():
         return check.first_bad([t.cuda() for t in tensors])
 
     _check_all(first_bad)
+
+
+_LANES = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from mxrefit.formats import _finite_check_triton as k
+from mxrefit.formats._common import NO_BAD, bad_flag, first_bad
+
+g = torch.Generator().manual_seed(2)
+for dtype, lanes in ((torch.bfloat16, 2), (torch.bfloat16, 4), (torch.float16, 2), (torch.float32, 2)):
+    # sizes divisible by lanes; the 2 x 1000 one spans several 64-word chunks with a ragged tail
+    ts = [torch.randn(s, generator=g).to(dtype) for s in ((4,), (2, 1000), (12,))]
+    scan = k.ScanGroup([t.numel() for t in ts], dtype, torch.device("cpu"), block=16, chunk=64, lanes=lanes)
+    flag = bad_flag(torch.device("cpu"))
+    scan(ts, flag, [0, 1, 2])
+    assert int(flag.item()) == NO_BAD, (dtype, lanes)  # negative control: all finite
+    for where in range(3):
+        for lane in range(lanes):  # a NaN in every position of a word is seen, not only the lowest
+            bad = [t.clone() for t in ts]
+            bad[where].view(-1)[bad[where].numel() - lanes + lane] = float("inf")
+            flag.fill_(NO_BAD)
+            scan(bad, flag, [0, 1, 2])
+            assert first_bad(flag) == where, (dtype, lanes, where, lane)
+try:
+    k.ScanGroup([7], torch.bfloat16, torch.device("cpu"), lanes=2)
+except ValueError as err:
+    assert "divisible" in str(err), err
+else:
+    raise AssertionError("7 elements in words of 2 were accepted")
+print("ok")
+"""
+
+
+def test_wider_words_flag_every_lane_under_the_interpreter():
+    """``lanes`` > 1 (the pack profile's variant): several elements per word, each one's exponent tested."""
+    pytest.importorskip("triton")
+    run_under_triton_interpreter(_LANES)

@@ -61,7 +61,16 @@ KERNELS = {
         dict(EXP_MASK=MASK, WORD_BITS=32, LANES=2, CHUNK=8192, BLOCK=1024),
         True,
     ),
-    "finite scan": (_finite_check_triton._scan_kernel, dict(EXP_MASK=MASK, WORD_BITS=16, CHUNK=16384, BLOCK=2048), False),
+    "finite scan": (
+        _finite_check_triton._scan_kernel,
+        dict(EXP_MASK=MASK, WORD_BITS=16, LANES=1, CHUNK=16384, BLOCK=2048),
+        False,
+    ),
+    "finite scan, BF16 pairs": (
+        _finite_check_triton._scan_kernel,
+        dict(EXP_MASK=MASK, WORD_BITS=32, LANES=2, CHUNK=8192, BLOCK=1024),
+        False,
+    ),
 }
 
 
