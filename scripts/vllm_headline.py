@@ -471,6 +471,8 @@ def main() -> int:
     p.add_argument("--work", default="/tmp/mxrefit_headline")
     p.add_argument("--json", default="headline.json")
     args = p.parse_args()
+    if args.distinct_layers and not 0 < args.distinct_layers < args.layers:
+        p.error(f"--distinct-layers {args.distinct_layers} must be between 1 and --layers {args.layers} - 1 (0: all distinct)")
     import torch
 
     result: dict = {"args": vars(args), "gpu": torch.cuda.get_device_name()}
