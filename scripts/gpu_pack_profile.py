@@ -163,43 +163,23 @@ def passthrough_rows(srcs: list[torch.Tensor], dev: torch.device) -> dict:
         at += t.numel()
     bad = torch.full((1,), 2**31 - 1, dtype=torch.int32, device=dev)
     numels = [t.numel() for t in srcs]
+    # (lanes, chunk, block): one element per word at each size, then BF16 pairs (int32) and quads
+    # (int64) with chunk and block counted in words, so the same bytes per program and per iteration
+    # as the natural rows take fewer lanes and registers
+    shapes = [(1, c, b) for c in (8192, 16384, 65536) for b in (1024, 2048, 4096)]
+    shapes += [(n, c, b) for n in (2, 4) for c, b in ((16384 // n, 2048 // n), (16384 // n, 4096 // n), (16384, 1024))]
     rows = {}
-    for chunk in (8192, 16384, 65536):
-        for block in (1024, 2048, 4096):
-            for warps in (4, 8):
-                group = CopyGroup(
-                    numels, torch.bfloat16, outs, list(range(len(srcs))), dev, chunk=chunk, block=block, num_warps=warps
-                )
-                flat.zero_()
-                group(srcs, bad)
-                exact = all(torch.equal(o, t) for o, t in zip(outs, srcs))
-                s = timed(lambda: group(srcs, bad))
-                rows[f"passthrough_c{chunk}_b{block}_w{warps}"] = {"s": s, "GBps": 2 * nbytes / s / 1e9, "bytes_equal": exact}
-    # wider words: BF16 pairs (int32) and quads (int64), chunk and block counted in words, so the
-    # same bytes per program and per iteration as the rows above take fewer lanes and registers
-    for lanes in (2, 4):
-        for chunk, block in ((16384 // lanes, 2048 // lanes), (16384 // lanes, 4096 // lanes), (16384, 1024)):
-            for warps in (4, 8):
-                group = CopyGroup(
-                    numels,
-                    torch.bfloat16,
-                    outs,
-                    list(range(len(srcs))),
-                    dev,
-                    chunk=chunk,
-                    block=block,
-                    num_warps=warps,
-                    lanes=lanes,
-                )
-                flat.zero_()
-                group(srcs, bad)
-                exact = all(torch.equal(o, t) for o, t in zip(outs, srcs))
-                s = timed(lambda: group(srcs, bad))
-                rows[f"passthrough_x{lanes}_c{chunk}_b{block}_w{warps}"] = {
-                    "s": s,
-                    "GBps": 2 * nbytes / s / 1e9,
-                    "bytes_equal": exact,
-                }
+    for lanes, chunk, block in shapes:
+        for warps in (4, 8):
+            group = CopyGroup(
+                numels, torch.bfloat16, outs, list(range(len(srcs))), dev, chunk=chunk, block=block, num_warps=warps, lanes=lanes
+            )
+            flat.zero_()
+            group(srcs, bad)
+            exact = all(torch.equal(o, t) for o, t in zip(outs, srcs))
+            s = timed(lambda: group(srcs, bad))
+            width = "" if lanes == 1 else f"x{lanes}_"
+            rows[f"passthrough_{width}c{chunk}_b{block}_w{warps}"] = {"s": s, "GBps": 2 * nbytes / s / 1e9, "bytes_equal": exact}
     s = timed(lambda: torch._foreach_copy_(outs, srcs))
     rows["passthrough_foreach_copy"] = {"s": s, "GBps": 2 * nbytes / s / 1e9}
     rows["copy_passthrough_traffic"] = copy_row(2 * nbytes, dev)

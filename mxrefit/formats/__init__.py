@@ -102,15 +102,7 @@ class Passthrough(Format):
 
     def encoder(self, sources, outs, *, screen=False, layouts=None):
         _checkpoint_layout_only(self, layouts)
-        dsts = [o[0] for o in outs]
-        if not screen and not (dsts and dsts[0].device.type == "cuda"):
-
-            def copy(step_sources, bad):
-                if dsts:
-                    torch._foreach_copy_(dsts, list(step_sources))
-
-            return copy
-        return _grouped_copy(sources, dsts, screen)
+        return _grouped_copy(sources, [o[0] for o in outs], screen)
 
 
 def _grouped_copy(sources: Sequence[tuple[tuple[int, ...], torch.dtype]], dsts: list[torch.Tensor], screen: bool) -> Encoder:
@@ -120,9 +112,11 @@ def _grouped_copy(sources: Sequence[tuple[tuple[int, ...], torch.dtype]], dsts: 
     hundreds of 3 MB tensors, and ``_foreach_copy_`` of them ran at 65% of the copy rate on an
     H100 (2026-12-06), launch-bound; the test costs nothing in a memory-bound copy. Every other
     source (another dtype than its destination's, or no Triton) is copied by ``_foreach_copy_``,
-    and screened (``FiniteCheck``: ``_foreach_norm`` on CPU) only with ``screen``."""
+    and screened (``FiniteCheck``: ``_foreach_norm`` on CPU) only with ``screen``. An unscreened
+    CPU copy is all ``_foreach_copy_``: Triton's interpreter there is for checking the kernel."""
     device = dsts[0].device if dsts else torch.device("cpu")
-    kernels = triton_kernels("mxrefit.formats._passthrough_triton", device)
+    use_kernel = screen or device.type == "cuda"
+    kernels = triton_kernels("mxrefit.formats._passthrough_triton", device) if use_kernel else None
     groups = []  # (indices, launch) per dtype the kernel copies
     rest = list(range(len(sources)))
     if kernels is not None:

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mxrefit.formats._triton_common import exp_hits
+from mxrefit.formats._triton_common import exp_hits, lane_words, require_word_aligned
 
 CHUNK = 16384
 
@@ -79,11 +79,7 @@ class ScanGroup:
         """``lanes`` > 1 reads that many elements per word (BF16 pairs as int32, quads as int64),
         the pack profile's variant: ``chunk`` and ``block`` then count words, every size must
         divide by it and every address by the word's bytes."""
-        word_bits = dtype.itemsize * 8 * lanes
-        if word_bits not in (16, 32, 64):
-            raise ValueError(f"{lanes} {dtype} elements per word make a {word_bits}-bit word; the kernel reads 16, 32 or 64")
-        if any(n % lanes for n in numels):
-            raise ValueError(f"{lanes} elements per word need sizes divisible by {lanes}")
+        word_bits, numels = lane_words(dtype, lanes, numels)
         self.device = device
         self.dtype = dtype
         self.block = min(block, chunk)
@@ -91,7 +87,6 @@ class ScanGroup:
         self.num_warps = num_warps
         self.lanes = lanes
         self.word_bits = word_bits
-        numels = [n // lanes for n in numels]
         prog_tensor: list[int] = []
         prog_start: list[int] = []
         for t, n in enumerate(numels):
@@ -115,8 +110,7 @@ class ScanGroup:
             for t in tensors:
                 if not t.is_contiguous() or t.dtype != self.dtype:
                     raise ValueError(f"finite check needs contiguous {self.dtype} tensors, got {t.dtype} strides {t.stride()}")
-            if any(a % (self.word_bits // 8) for a in addrs):
-                raise ValueError(f"{self.lanes} elements per word need {self.word_bits // 8}-byte addresses")
+            require_word_aligned(addrs, self.word_bits, "source")
             self.src_addr.copy_(torch.tensor(addrs, dtype=torch.int64))
             self._last_src = addrs
             self._aligned = all(a % 16 == 0 for a in addrs)

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mxrefit.formats._triton_common import LaunchTable, exp_hits
+from mxrefit.formats._triton_common import LaunchTable, exp_hits, lane_words, require_word_aligned
 
 CHUNK = 16384  # elements per program
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -99,21 +99,17 @@ class CopyGroup:
         every tensor's size must divide by it and every address by the word's bytes."""
         if dtype not in _EXP_MASK:
             raise ValueError(f"the passthrough kernel copies {list(_EXP_MASK)}, got {dtype}")
-        word_bits = dtype.itemsize * 8 * lanes
-        if word_bits not in (16, 32, 64):
-            raise ValueError(f"{lanes} {dtype} elements per word make a {word_bits}-bit word; the kernel moves 16, 32 or 64")
         for o, n in zip(outs, numels):
             if o.dtype != dtype or o.numel() != n or not o.is_contiguous():
                 raise ValueError(f"destination must be a contiguous {dtype} of {n} elements, got {o.dtype} {tuple(o.shape)}")
-            if n % lanes or o.data_ptr() % (word_bits // 8):
-                raise ValueError(f"{lanes} elements per word need sizes divisible by {lanes} and {word_bits // 8}-byte addresses")
+        word_bits, words = lane_words(dtype, lanes, numels)
+        require_word_aligned([o.data_ptr() for o in outs], word_bits, "destination")
         self.dtype = dtype
         self.lanes = lanes
         self.word_bits = word_bits
         self.chunk = chunk
         self.block = min(block, chunk)
         self.num_warps = num_warps
-        words = [n // lanes for n in numels]
         self.table = LaunchTable([-(-w // chunk) for w in words], 1, [(o,) for o in outs], device, "passthrough copy")
         self.numel_of = self.table.ints(words, torch.int64)
         self.caller_index = self.table.ints(caller_index, torch.int32)
@@ -126,8 +122,7 @@ class CopyGroup:
             for s in sources:
                 if s.dtype != self.dtype:
                     raise ValueError(f"passthrough copy group of {self.dtype} got a {s.dtype} source")
-            if any(a % (self.word_bits // 8) for a in table.src_addresses):
-                raise ValueError(f"{self.lanes} elements per word need {self.word_bits // 8}-byte source addresses")
+            require_word_aligned(table.src_addresses, self.word_bits, "source")
             self._aligned = self._dst_aligned and all(a % 16 == 0 for a in table.src_addresses)
         if table.programs == 0:
             return
