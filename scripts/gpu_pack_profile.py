@@ -116,7 +116,7 @@ def layout_rows(layers: int, dev: torch.device, e: int = 128, i_: int = 768, h: 
 
 def scan_rows(srcs: list[torch.Tensor], nbytes: int, dev: torch.device) -> dict:
     """The finite screen's launch alone (``ScanGroup``, no host sync) at several chunk, block, warp
-    and word widths (``_x2``/``_x4``: BF16 pairs or quads per word, chunk and block in words), each
+    and word widths (``_x2``/``_x4``: BF16 pairs or quads per word, chunk and block in elements), each
     checked to flag a NaN planted in the last tensor; ``read_reference`` is a torch reduction over
     the same bytes, a read rate to hold them against (the screen reads, it does not write)."""
     from mxrefit.formats._common import NO_BAD, bad_flag
@@ -133,14 +133,13 @@ def scan_rows(srcs: list[torch.Tensor], nbytes: int, dev: torch.device) -> dict:
     for lanes in (1, 2, 4):
         for chunk, block in ((16384, 2048), (16384, 4096), (65536, 2048)):
             for warps in (4, 8):
-                c, b = chunk // lanes, block // lanes
-                scan = ScanGroup([t.numel() for t in srcs], torch.bfloat16, dev, b, chunk=c, num_warps=warps, lanes=lanes)
+                scan = ScanGroup([t.numel() for t in srcs], torch.bfloat16, dev, block, chunk=chunk, num_warps=warps, lanes=lanes)
                 flag.fill_(NO_BAD)
                 scan(poisoned, flag, callers)
                 flags_nan = int(flag.item()) == len(srcs) - 1
                 flag.fill_(NO_BAD)
                 s = timed(lambda: scan(srcs, flag, callers))
-                rows[f"scan_x{lanes}_c{c}_b{b}_w{warps}"] = {
+                rows[f"scan_x{lanes}_c{chunk}_b{block}_w{warps}"] = {
                     "s": s,
                     "GBps_read": nbytes / s / 1e9,
                     "flags_nan": flags_nan,
@@ -163,11 +162,11 @@ def passthrough_rows(srcs: list[torch.Tensor], dev: torch.device) -> dict:
         at += t.numel()
     bad = torch.full((1,), 2**31 - 1, dtype=torch.int32, device=dev)
     numels = [t.numel() for t in srcs]
-    # (lanes, chunk, block): one element per word at each size, then BF16 pairs (int32) and quads
-    # (int64) with chunk and block counted in words, so the same bytes per program and per iteration
-    # as the natural rows take fewer lanes and registers
+    # (lanes, chunk, block), chunk and block in elements: one element per word at each size, then
+    # BF16 pairs (int32) and quads (int64, the library's default where sizes and addresses allow)
+    # at the default's bytes per program and per iteration, and at n times both
     shapes = [(1, c, b) for c in (8192, 16384, 65536) for b in (1024, 2048, 4096)]
-    shapes += [(n, c, b) for n in (2, 4) for c, b in ((16384 // n, 2048 // n), (16384 // n, 4096 // n), (16384, 1024))]
+    shapes += [(n, c, b) for n in (2, 4) for c, b in ((16384, 2048), (16384, 4096), (16384 * n, 1024 * n))]
     rows = {}
     for lanes, chunk, block in shapes:
         for warps in (4, 8):

@@ -27,9 +27,8 @@
 #            of Qwen3-30B-A3B learned as the engine does, the library gather and kernel variants against a copy
 #   digests  the 3.54e-4 hunt (docs/vllm.md): dense MXFP8 through the extension, the backend and the learned layout,
 #            sha256 of every parameter, buffer and plain kernel tensor of engine A and of each fresh vLLM compared
-#   bench    issue 23 on the GPU, one command after another (run it alone: it times): the same-process CUDA opens
-#            (pytest), `mxrefit bench` qwen3-30b-a3b 24 layers BF16 beside checkpoint-engine (its wheel from .whl/),
-#            the MXFP8 + TRT-LLM default, the layer sweep 6,12,24,48 with its fit, and gpu_pack_profile.py (kernels alone)
+#   bench    issue 23 on the GPU (run it alone: it times): scripts/gpu_bench_table.sh, every part, beside this vLLM's
+#            packages (checkpoint-engine's wheel from .whl/); that script alone needs no vLLM
 # Everything lands in /tmp/res, packed at the end into $OUT/vllm_h200_<parts>.tar.gz, plus $OUT/summary.txt.
 set -uo pipefail
 step=${1:?p1|p3|install|run}
@@ -140,22 +139,7 @@ if has trl; then  # TRL and its wheels (.whl/: trl, datasets, dill, multiprocess
 fi
 if has bench; then
   wheels
-  {
-    python3 -m pytest -q -p no:cacheprovider tests/integration/test_buffers.py tests/unit/test_bucket_flags.py -k "owner or exporting or marked" > $RES/pytest_same_process.log 2>&1
-    b() { local tag=$1; shift; timeout ${BENCH_TIMEOUT:-200} python3 -m mxrefit bench --device cuda --no-progress --model qwen3-30b-a3b \
-      --json $RES/bench_$tag.json "$@" > $RES/bench_$tag.log 2>&1; }
-    # all 48 layers need the H200's memory (61 GB of BF16 beside the engine); an 80 GB H100 runs 24 and sweeps to 24
-    mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
-    if (( mib > 100000 )); then full=48 sweep=6,12,24,48; else full=24 sweep=6,12,18,24; fi
-    timeout 200 python3 scripts/gpu_pack_profile.py --json $RES/pack_profile.json > $RES/pack_profile.log 2>&1
-    b peer_bf16 --layers 24 --format bf16 --mode prequant --peer checkpoint-engine --steps 5
-    b mxfp8 --layers $full --mode checks --steps 5                            # default, fused screen, verify, transactional
-    b bf16_fused --layers 24 --format bf16 --mode prequant-fused --steps 5   # the BF16 engine's fused screen (peer_bf16 has its default;
-                                                                              # --mode checks would hold a 31 GB shadow too)
-    b mxfp8_staged --layers $full --mode prequant --post trtllm-staged --steps 5  # the two-pass layout, for comparison
-    b mxfp8_grouped --layers $full --mode prequant --experts grouped --steps 5    # every TRT-LLM layout from the trainer
-    b sweep --mode prequant --sweep-layers $sweep --steps 3 --plot $RES/sweep_30b.png
-  } &
+  RES=$RES bash scripts/gpu_bench_table.sh > $RES/bench_table.log 2>&1 &
   pids+=($!)
 fi
 for p in "${pids[@]}"; do wait $p; done

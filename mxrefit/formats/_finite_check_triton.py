@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mxrefit.formats._triton_common import exp_hits, lane_words, require_word_aligned
+from mxrefit.formats._triton_common import exp_hits, require_lanes, widest_lanes
 
 CHUNK = 16384
 
@@ -21,7 +21,7 @@ CHUNK = 16384
 @triton.jit
 def _scan_kernel(
     prog_tensor,
-    prog_start,
+    prog_chunk,
     numel_of,
     src_addr,
     caller_index,
@@ -35,8 +35,8 @@ def _scan_kernel(
 ):
     pid = tl.program_id(0)
     t = tl.load(prog_tensor + pid)
-    start = tl.multiple_of(tl.load(prog_start + pid).to(tl.int64), CHUNK)
-    n = tl.load(numel_of + t)
+    start = tl.multiple_of(tl.load(prog_chunk + pid).to(tl.int64) * CHUNK, CHUNK)
+    n = tl.load(numel_of + t) // LANES  # sizes are tabled in elements, the loop counts words
     if WORD_BITS == 16:
         src = tl.load(src_addr + t).to(tl.pointer_type(tl.int16))
     elif WORD_BITS == 32:
@@ -74,28 +74,28 @@ class ScanGroup:
         *,
         chunk: int = CHUNK,
         num_warps: int = 4,
-        lanes: int = 1,
+        lanes: int | None = None,
     ):
-        """``lanes`` > 1 reads that many elements per word (BF16 pairs as int32, quads as int64),
-        the pack profile's variant: ``chunk`` and ``block`` then count words, every size must
-        divide by it and every address by the word's bytes."""
-        word_bits, numels = lane_words(dtype, lanes, numels)
+        """``chunk`` and ``block`` count elements. The kernel reads ``lanes`` elements per word
+        (BF16 pairs as int32, quads as int64) and tests each one's exponent; None takes the widest
+        word every size allows, narrowed at each step where a source's address does not allow it."""
         self.device = device
         self.dtype = dtype
         self.block = min(block, chunk)
         self.chunk = chunk
         self.num_warps = num_warps
-        self.lanes = lanes
-        self.word_bits = word_bits
+        self.max_lanes = widest_lanes(dtype, numels, (), lanes)
+        require_lanes(dtype, self.max_lanes, self.chunk, self.block)
+        self.lanes = self.max_lanes
         prog_tensor: list[int] = []
-        prog_start: list[int] = []
+        prog_chunk: list[int] = []
         for t, n in enumerate(numels):
-            starts = range(0, n, chunk)
-            prog_tensor.extend([t] * len(starts))
-            prog_start.extend(starts)
+            chunks = range(-(-n // chunk))
+            prog_tensor.extend([t] * len(chunks))
+            prog_chunk.extend(chunks)
         as_dev = lambda xs, dt: torch.tensor(xs, dtype=dt, device=device)  # noqa: E731
         self.prog_tensor = as_dev(prog_tensor, torch.int32)
-        self.prog_start = as_dev(prog_start, torch.int64)
+        self.prog_chunk = as_dev(prog_chunk, torch.int32)
         self.numel_of = as_dev(numels, torch.int64)
         self.src_addr = torch.zeros(len(numels), dtype=torch.int64, device=device)
         self.caller_index = torch.zeros(len(numels), dtype=torch.int32, device=device)
@@ -110,7 +110,7 @@ class ScanGroup:
             for t in tensors:
                 if not t.is_contiguous() or t.dtype != self.dtype:
                     raise ValueError(f"finite check needs contiguous {self.dtype} tensors, got {t.dtype} strides {t.stride()}")
-            require_word_aligned(addrs, self.word_bits, "source")
+            self.lanes = widest_lanes(self.dtype, (), addrs, self.max_lanes)
             self.src_addr.copy_(torch.tensor(addrs, dtype=torch.int64))
             self._last_src = addrs
             self._aligned = all(a % 16 == 0 for a in addrs)
@@ -121,16 +121,16 @@ class ScanGroup:
             return
         _scan_kernel[(self.programs,)](
             self.prog_tensor,
-            self.prog_start,
+            self.prog_chunk,
             self.numel_of,
             self.src_addr,
             self.caller_index,
             flag,
             EXP_MASK=_EXP_MASK[self.dtype],
-            WORD_BITS=self.word_bits,
+            WORD_BITS=self.dtype.itemsize * 8 * self.lanes,
             LANES=self.lanes,
-            CHUNK=self.chunk,
-            BLOCK=self.block,
+            CHUNK=self.chunk // self.lanes,
+            BLOCK=self.block // self.lanes,
             ALIGNED=self._aligned,
             num_warps=self.num_warps,
         )

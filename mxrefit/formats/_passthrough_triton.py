@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mxrefit.formats._triton_common import LaunchTable, exp_hits, lane_words, require_word_aligned
+from mxrefit.formats._triton_common import LaunchTable, exp_hits, require_lanes, widest_lanes
 
 CHUNK = 16384  # elements per program
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -42,7 +42,7 @@ def _copy_kernel(
     pid = tl.program_id(0)
     t = tl.load(prog_tensor + pid)
     start = tl.multiple_of(tl.load(prog_chunk + pid).to(tl.int64) * CHUNK, CHUNK)
-    n = tl.load(numel_of + t)
+    n = tl.load(numel_of + t) // LANES  # sizes are tabled in elements, the loop counts words
     if WORD_BITS == 16:
         src = tl.load(src_addr + t).to(tl.pointer_type(tl.int16))
         dst = tl.load(dst_addr + t).to(tl.pointer_type(tl.int16))
@@ -92,26 +92,26 @@ class CopyGroup:
         chunk: int = CHUNK,
         block: int = 2048,
         num_warps: int = 4,
-        lanes: int = 1,
+        lanes: int | None = None,
     ):
-        """``lanes`` > 1 moves that many elements per word (BF16 pairs as int32, quads as int64) and
-        tests each one's exponent: the profile's variant (``chunk`` and ``block`` then count words);
-        every tensor's size must divide by it and every address by the word's bytes."""
+        """``chunk`` and ``block`` count elements. The kernel moves ``lanes`` elements per word
+        (BF16 pairs as int32, quads as int64) and tests each one's exponent; None takes the widest
+        word every size and destination address allows. Each step narrows it further where a
+        source's address does not allow it, so any layout is copied, at worst one element a word."""
         if dtype not in _EXP_MASK:
             raise ValueError(f"the passthrough kernel copies {list(_EXP_MASK)}, got {dtype}")
         for o, n in zip(outs, numels):
             if o.dtype != dtype or o.numel() != n or not o.is_contiguous():
                 raise ValueError(f"destination must be a contiguous {dtype} of {n} elements, got {o.dtype} {tuple(o.shape)}")
-        word_bits, words = lane_words(dtype, lanes, numels)
-        require_word_aligned([o.data_ptr() for o in outs], word_bits, "destination")
         self.dtype = dtype
-        self.lanes = lanes
-        self.word_bits = word_bits
         self.chunk = chunk
         self.block = min(block, chunk)
+        self.max_lanes = widest_lanes(dtype, numels, [o.data_ptr() for o in outs], lanes)
+        require_lanes(dtype, self.max_lanes, self.chunk, self.block)
+        self.lanes = self.max_lanes
         self.num_warps = num_warps
-        self.table = LaunchTable([-(-w // chunk) for w in words], 1, [(o,) for o in outs], device, "passthrough copy")
-        self.numel_of = self.table.ints(words, torch.int64)
+        self.table = LaunchTable([-(-n // chunk) for n in numels], 1, [(o,) for o in outs], device, "passthrough copy")
+        self.numel_of = self.table.ints(numels, torch.int64)
         self.caller_index = self.table.ints(caller_index, torch.int32)
         self._dst_aligned = all(o.data_ptr() % 16 == 0 for o in outs)
         self._aligned = False
@@ -122,10 +122,11 @@ class CopyGroup:
             for s in sources:
                 if s.dtype != self.dtype:
                     raise ValueError(f"passthrough copy group of {self.dtype} got a {s.dtype} source")
-            require_word_aligned(table.src_addresses, self.word_bits, "source")
+            self.lanes = widest_lanes(self.dtype, (), table.src_addresses, self.max_lanes)
             self._aligned = self._dst_aligned and all(a % 16 == 0 for a in table.src_addresses)
         if table.programs == 0:
             return
+        lanes = self.lanes
         _copy_kernel[(table.programs,)](
             table.prog_tensor,
             table.prog_unit,
@@ -135,10 +136,10 @@ class CopyGroup:
             self.caller_index,
             bad,
             EXP_MASK=_EXP_MASK[self.dtype],
-            WORD_BITS=self.word_bits,
-            LANES=self.lanes,
-            CHUNK=self.chunk,
-            BLOCK=self.block,
+            WORD_BITS=self.dtype.itemsize * 8 * lanes,
+            LANES=lanes,
+            CHUNK=self.chunk // lanes,
+            BLOCK=self.block // lanes,
             ALIGNED=self._aligned,
             num_warps=self.num_warps,
         )

@@ -5,8 +5,8 @@
 - ``e4m3_rne``: round-to-nearest-even of ``value * 2**(127 - sb)`` to E4M3 with integer ops,
   for Triton's interpreter, whose fp8 cast does not round like the GPU.
 - ``exp_hits``: which raw words hold a non-finite element (all exponent bits set), one or
-  several elements per word (the passthrough copy and the finite scan); ``lane_words`` and
-  ``require_word_aligned`` are the host-side rules for those words.
+  several elements per word (the passthrough copy and the finite scan); ``widest_lanes`` and
+  ``require_lanes`` are the host-side rules for those words.
 - ``LaunchTable``: one launch over many tensors: per-program (tensor, first unit) rows built
   once, destination addresses tabled once, source addresses re-sent only when they change.
 """
@@ -29,21 +29,25 @@ def supports(x: torch.Tensor) -> bool:
     return triton_runs_on(x.device)
 
 
-def lane_words(dtype: torch.dtype, lanes: int, numels: Sequence[int]) -> tuple[int, list[int]]:
-    """The word width (bits) of ``lanes`` ``dtype`` elements and each size in words; ValueError
-    unless the width is one the kernels move (16, 32, 64) and every size divides by ``lanes``."""
+def widest_lanes(dtype: torch.dtype, numels: Sequence[int], addresses: Sequence[int], most: int | None = None) -> int:
+    """The most ``dtype`` elements one word (at most 64 bits, at most ``most`` elements) can hold
+    such that every size divides by them and every address by the word's bytes: a wider word
+    means fewer loads and fewer exponent tests per byte, and any layout falls back to one."""
+    lanes = 64 // (dtype.itemsize * 8) if most is None else most
+    while lanes > 1 and (any(n % lanes for n in numels) or any(a % (dtype.itemsize * lanes) for a in addresses)):
+        lanes //= 2
+    return max(lanes, 1)
+
+
+def require_lanes(dtype: torch.dtype, lanes: int, chunk: int, block: int) -> int:
+    """The word width (bits) of ``lanes`` ``dtype`` elements; ValueError unless it is one the
+    kernels move (16, 32, 64) and the chunk and block (in elements) divide into whole words."""
     bits = dtype.itemsize * 8 * lanes
     if bits not in (16, 32, 64):
         raise ValueError(f"{lanes} {dtype} elements per word make a {bits}-bit word; the kernels move 16, 32 or 64")
-    if any(n % lanes for n in numels):
-        raise ValueError(f"{lanes} elements per word need sizes divisible by {lanes}")
-    return bits, [n // lanes for n in numels]
-
-
-def require_word_aligned(addresses: Sequence[int], word_bits: int, what: str) -> None:
-    """ValueError unless every address is a multiple of the word's bytes."""
-    if any(a % (word_bits // 8) for a in addresses):
-        raise ValueError(f"{word_bits}-bit words need {word_bits // 8}-byte {what} addresses")
+    if chunk % lanes or block % lanes:
+        raise ValueError(f"chunk {chunk} and block {block} elements must divide by {lanes} elements per word")
+    return bits
 
 
 @triton.jit

@@ -111,17 +111,34 @@ for dtype, lanes in ((torch.bfloat16, 2), (torch.bfloat16, 4), (torch.float16, 2
             flag.fill_(NO_BAD)
             scan(bad, flag, [0, 1, 2])
             assert first_bad(flag) == where, (dtype, lanes, where, lane)
+cpu = torch.device("cpu")
+for numel, asked, got in ((7, 2, 1), (6, 4, 2), (8, None, 4)):
+    assert k.ScanGroup([numel], torch.bfloat16, cpu, 16, chunk=64, lanes=asked).max_lanes == got, (numel, asked)
+# a tensor at an odd address is read one element a word for that step and its Inf still seen;
+# an aligned one takes the wide word again (the negative control that the narrowing happened)
+base = torch.randn(33, generator=g).to(torch.bfloat16)
+scan = k.ScanGroup([32], torch.bfloat16, cpu, 16, chunk=64)
+flag = bad_flag(cpu)
+scan([base[1:]], flag, [0])
+assert scan.lanes == 1 and int(flag.item()) == NO_BAD, scan.lanes
+base[32] = float("inf")
+scan([base[1:]], flag, [0])
+assert first_bad(flag) == 0
+flag.fill_(NO_BAD)
+scan([base[:32].clone()], flag, [0])
+assert scan.lanes == 4 and int(flag.item()) == NO_BAD, scan.lanes
 try:
-    k.ScanGroup([7], torch.bfloat16, torch.device("cpu"), lanes=2)
+    k.ScanGroup([64], torch.bfloat16, cpu, 16, chunk=66, lanes=4)
 except ValueError as err:
-    assert "divisible" in str(err), err
+    assert "divide" in str(err), err
 else:
-    raise AssertionError("7 elements in words of 2 were accepted")
+    raise AssertionError("chunks of 66 elements in words of 4 were accepted")
 print("ok")
 """
 
 
 def test_wider_words_flag_every_lane_under_the_interpreter():
-    """``lanes`` > 1 (the pack profile's variant): several elements per word, each one's exponent tested."""
+    """Several elements per word (the default where sizes and addresses allow): each one's exponent
+    tested, the word narrowed where a size or an address does not allow it."""
     pytest.importorskip("triton")
     run_under_triton_interpreter(_LANES)

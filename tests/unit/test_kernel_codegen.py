@@ -61,6 +61,11 @@ KERNELS = {
         dict(EXP_MASK=MASK, WORD_BITS=32, LANES=2, CHUNK=8192, BLOCK=1024),
         True,
     ),
+    "passthrough copy, BF16 quads": (
+        _passthrough_triton._copy_kernel,
+        dict(EXP_MASK=MASK, WORD_BITS=64, LANES=4, CHUNK=4096, BLOCK=512),
+        True,
+    ),
     "finite scan": (
         _finite_check_triton._scan_kernel,
         dict(EXP_MASK=MASK, WORD_BITS=16, LANES=1, CHUNK=16384, BLOCK=2048),
@@ -69,6 +74,11 @@ KERNELS = {
     "finite scan, BF16 pairs": (
         _finite_check_triton._scan_kernel,
         dict(EXP_MASK=MASK, WORD_BITS=32, LANES=2, CHUNK=8192, BLOCK=1024),
+        False,
+    ),
+    "finite scan, BF16 quads": (
+        _finite_check_triton._scan_kernel,
+        dict(EXP_MASK=MASK, WORD_BITS=64, LANES=4, CHUNK=4096, BLOCK=512),
         False,
     ),
 }

@@ -161,18 +161,43 @@ for dtype, lanes in ((torch.bfloat16, 2), (torch.bfloat16, 4), (torch.float16, 2
             group(ts, bad)
             assert first_bad(bad) == where, (dtype, lanes, where, lane)
             assert all(torch.equal(o.view(-1)[:-lanes], s.view(-1)[:-lanes]) for o, s in zip(outs, ts))
-for numel, lanes in ((7, 2), (6, 4)):
+cpu = torch.device("cpu")
+# the word narrows to what sizes and addresses allow: 7 elements take one a word, 6 take pairs
+for numel, asked, got in ((7, 2, 1), (6, 4, 2), (8, None, 4)):
+    src, out = torch.randn(numel, generator=g).to(torch.bfloat16), torch.zeros(numel, dtype=torch.bfloat16)
+    group = k.CopyGroup([numel], torch.bfloat16, [out], [0], cpu, chunk=64, block=16, lanes=asked)
+    assert group.max_lanes == got, (numel, asked, group.max_lanes)
+    group([src], bad_flag(cpu))
+    assert torch.equal(out, src), numel
+# a source at an odd address is copied one element a word for that step, and its NaN still seen;
+# an aligned one takes the wide word again (the negative control that the narrowing happened)
+base = torch.randn(33, generator=g).to(torch.bfloat16)
+out = torch.zeros(32, dtype=torch.bfloat16)
+group = k.CopyGroup([32], torch.bfloat16, [out], [0], cpu, chunk=64, block=16)
+odd = base[1:].clone()
+group([base[1:]], bad := bad_flag(cpu))
+assert group.lanes == 1 and torch.equal(out, odd) and int(bad.item()) == NO_BAD, group.lanes
+base[5] = float("nan")
+group([base[1:]], bad := bad_flag(cpu))
+assert first_bad(bad) == 0
+group([odd], bad := bad_flag(cpu))
+assert group.lanes == 4 and torch.equal(out, odd) and int(bad.item()) == NO_BAD, group.lanes
+# a destination at an odd address narrows the word for good
+dst = torch.zeros(33, dtype=torch.bfloat16)[1:]
+assert k.CopyGroup([32], torch.bfloat16, [dst], [0], cpu, chunk=64, block=16).max_lanes == 1
+for asked, chunk, rule in ((8, 64, "16, 32 or 64"), (4, 66, "divide")):
     try:
-        k.CopyGroup([numel], torch.bfloat16, [torch.zeros(numel, dtype=torch.bfloat16)], [0], torch.device("cpu"), lanes=lanes)
+        k.CopyGroup([64], torch.bfloat16, [torch.zeros(64, dtype=torch.bfloat16)], [0], cpu, chunk=chunk, block=16, lanes=asked)
     except ValueError as err:
-        assert "divisible" in str(err), err
+        assert rule in str(err), err
     else:
-        raise AssertionError(f"{numel} elements in words of {lanes} were accepted")
+        raise AssertionError(f"{asked} elements a word over chunks of {chunk} were accepted")
 print("ok")
 """
 
 
 def test_wider_words_copy_and_flag_every_lane_under_the_interpreter():
-    """``lanes`` > 1 (the pack profile's variant): several elements per word, each one's exponent tested."""
+    """Several elements per word (the default where sizes and addresses allow): each one's exponent
+    tested, the word narrowed where a size or an address does not allow it, bad widths refused."""
     pytest.importorskip("triton")
     run_under_triton_interpreter(_LANES)
