@@ -74,11 +74,13 @@ class ScanGroup:
         *,
         chunk: int = CHUNK,
         num_warps: int = 4,
-        lanes: int | None = None,
+        lanes: int | None = 1,
     ):
         """``chunk`` and ``block`` count elements. The kernel reads ``lanes`` elements per word
-        (BF16 pairs as int32, quads as int64) and tests each one's exponent; None takes the widest
-        word every size allows, narrowed at each step where a source's address does not allow it."""
+        (BF16 pairs as int32, quads as int64; None: the widest every size allows) and tests each
+        one's exponent, narrowed at each step where a source's address does not allow it. One
+        element a word is the default: the scan read at 97% of the copy rate so on an H100, and
+        quads at 86-95% (pack profile, 2026-12-06)."""
         self.device = device
         self.dtype = dtype
         self.block = min(block, chunk)

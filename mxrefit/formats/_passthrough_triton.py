@@ -19,6 +19,7 @@ import triton.language as tl
 from mxrefit.formats._triton_common import LaunchTable, exp_hits, require_lanes, widest_lanes
 
 CHUNK = 16384  # elements per program
+BLOCK_WORDS = 1024  # words per iteration, the default
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _EXP_MASK = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00, torch.float32: 0x7F800000}
 
@@ -90,14 +91,16 @@ class CopyGroup:
         device: torch.device,
         *,
         chunk: int = CHUNK,
-        block: int = 2048,
-        num_warps: int = 4,
+        block: int | None = None,
+        num_warps: int = 8,
         lanes: int | None = None,
     ):
         """``chunk`` and ``block`` count elements. The kernel moves ``lanes`` elements per word
         (BF16 pairs as int32, quads as int64) and tests each one's exponent; None takes the widest
         word every size and destination address allows. Each step narrows it further where a
-        source's address does not allow it, so any layout is copied, at worst one element a word."""
+        source's address does not allow it, so any layout is copied, at worst one element a word.
+        ``block`` None is 1024 words per iteration and 8 warps: BF16 quads so ran at 94% of the
+        copy rate on an H100, the natural width at its best 87% (pack profile, 2026-12-06)."""
         if dtype not in _EXP_MASK:
             raise ValueError(f"the passthrough kernel copies {list(_EXP_MASK)}, got {dtype}")
         for o, n in zip(outs, numels):
@@ -105,8 +108,8 @@ class CopyGroup:
                 raise ValueError(f"destination must be a contiguous {dtype} of {n} elements, got {o.dtype} {tuple(o.shape)}")
         self.dtype = dtype
         self.chunk = chunk
-        self.block = min(block, chunk)
         self.max_lanes = widest_lanes(dtype, numels, [o.data_ptr() for o in outs], lanes)
+        self.block = min(BLOCK_WORDS * self.max_lanes if block is None else block, chunk)
         require_lanes(dtype, self.max_lanes, self.chunk, self.block)
         self.lanes = self.max_lanes
         self.num_warps = num_warps

@@ -117,7 +117,7 @@ for numel, asked, got in ((7, 2, 1), (6, 4, 2), (8, None, 4)):
 # a tensor at an odd address is read one element a word for that step and its Inf still seen;
 # an aligned one takes the wide word again (the negative control that the narrowing happened)
 base = torch.randn(33, generator=g).to(torch.bfloat16)
-scan = k.ScanGroup([32], torch.bfloat16, cpu, 16, chunk=64)
+scan = k.ScanGroup([32], torch.bfloat16, cpu, 16, chunk=64, lanes=4)
 flag = bad_flag(cpu)
 scan([base[1:]], flag, [0])
 assert scan.lanes == 1 and int(flag.item()) == NO_BAD, scan.lanes
