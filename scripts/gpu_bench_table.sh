@@ -10,10 +10,12 @@
 #   fused    the BF16 engine's fused screen (peer has its default; --mode checks would hold a 31 GB shadow too)
 #   layouts  the two-pass TRT-LLM layout and every TRT-LLM layout from the trainer, for comparison
 #   sweep    the layer sweep with its fit (time linear in bytes, intercept)
-# Files land in ${RES:-$OUT}: bench_TAG.{json,log}, pack_profile.{json,log}, summary lines on stdout.
+# Files land in $RES (bench_TAG.{json,log}, pack_profile.{json,log}; summary lines on stdout); without
+# RES, in /tmp/bench_table, packed at the end into $OUT/bench_table.tar.gz (a call brings back few files).
 set -uo pipefail
 PARTS=${1:-pack,opens,peer,mxfp8,fused,layouts,sweep}
-RES=${RES:-${OUT:-/tmp/out}}; mkdir -p $RES
+pack_into_out=; [[ -z ${RES:-} ]] && pack_into_out=1
+RES=${RES:-/tmp/bench_table}; mkdir -p $RES
 if ! python3 -c "import zmq, checkpoint_engine" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/benchsite .whl2/*.whl .whl3/*.whl .whl/checkpoint_engine-*.whl || exit 3
   export PYTHONPATH=/tmp/benchsite:${PYTHONPATH:-}
@@ -25,7 +27,7 @@ b() {
   local tag=$1; shift
   timeout ${BENCH_TIMEOUT:-200} python3 -m mxrefit bench --device cuda --no-progress --model qwen3-30b-a3b \
     --json $RES/bench_$tag.json "$@" > $RES/bench_$tag.log 2>&1
-  echo "== bench_$tag (rc $?)"; grep -E "total, ms|x copy floor|rate, GB/s|checkpoint-engine|intercept|identical|Error" $RES/bench_$tag.log | tail -14
+  echo "== bench_$tag (rc $?)"; grep -E "total, ms|x copy floor|rate, GB/s|checkpoint-engine|intercept|identical|Error|^│" $RES/bench_$tag.log | tail -30
 }
 # all 48 layers need the H200's memory (61 GB of BF16 beside the engine); an 80 GB H100 runs 24 and sweeps to 24
 mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
@@ -46,4 +48,5 @@ if has layouts; then
   b mxfp8_grouped --layers $full --mode prequant --experts grouped --steps 5
 fi
 has sweep && b sweep --mode prequant --sweep-layers $sweep --steps 3 --plot $RES/sweep_30b.png
+[[ -n $pack_into_out ]] && tar -czf ${OUT:-/tmp}/bench_table.tar.gz -C $RES .
 exit 0
