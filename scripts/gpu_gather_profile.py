@@ -24,6 +24,11 @@ and describes each index (the longest aligned run it moves whole; the 32-byte in
 group that reads whole 32-byte input blocks, which a trainer-side kernel writing the layout itself
 would handle per program), so a faster kernel is aimed at what the layout is. Every variant's bytes
 are compared with vLLM's processing.
+Then, per value tensor and its scales, ``trainer_write``: the learned order cut into units of whole
+MXFP8 blocks (``formats/block_permutation.py``) and, where it is, the trainer-side kernel that
+quantizes BF16 straight into vLLM's order (``write_b*_w*``, bytes against vLLM's processing of the
+checkpoint quantization of the same BF16) beside what it replaces (``quantize_then_gather``) and a
+copy of the same traffic: the next design step's premise (docs/vllm.md), measured before it is wired.
 Ends with the estimate for a whole 48-layer refit, to set beside the headline's engine-side time.
 
     PYTHONPATH=/tmp/site:$PWD python3 scripts/gpu_gather_profile.py --json $OUT/gather.json     # vLLM on the path
@@ -288,6 +293,78 @@ def variants(
     return rows
 
 
+def trainer_write_rows(staged: Tensors, layout, process: Callable[[Tensors], Tensors], experts: int, dev: torch.device) -> dict:
+    """Per learned value tensor with its scales: the order cut into units of whole MXFP8 blocks
+    (``BlockPermutation``: the units' size, or the rule it breaks) and, where it is, the trainer-side
+    kernel that quantizes BF16 straight into it (``quantize_permuted``), timed at several programs'
+    sizes against a copy of the same traffic (BF16 read, E4M3 and scale bytes written) and against
+    what it replaces (quantize to the checkpoint layout, then the library's gather of values and
+    scales); its bytes compared with vLLM's processing of the checkpoint quantization of the same BF16."""
+    from mxrefit.formats import mxfp8
+    from mxrefit.formats._common import NO_BAD, bad_flag
+    from mxrefit.formats.block_permutation import BlockPermutation
+
+    rows: dict = {}
+    by_source = {g.source: (attr, g) for attr, g in layout.gathers.items() if not g.identity}
+    for source, (attr, g) in by_source.items():
+        if source.endswith("_scale") or f"{source}_scale" not in by_source:
+            continue
+        scale_attr, sg = by_source[f"{source}_scale"]
+        perm = BlockPermutation.of(g.index, sg.index)
+        if isinstance(perm, str):
+            rows[attr] = {"refused": perm}
+            continue
+        info: dict = {"blocks_per_unit": perm.blocks_per_unit, "chunks_per_unit": perm.chunks_per_unit, "units": perm.units}
+        rows[attr] = info
+        if not triton_runs_on(dev):
+            continue
+        from mxrefit.formats import _mxfp8_triton as mk
+
+        perm = perm.to(dev)
+        shape = tuple(staged[source].shape)
+        x = torch.randn(shape, dtype=torch.bfloat16, device=dev) * 0.02
+        qv, qs = mxfp8.quantize(x)
+        checkpoint = dict(staged)
+        checkpoint[source] = qv.view(staged[source].dtype)
+        checkpoint[f"{source}_scale"] = (
+            qs.view(torch.uint8).view(staged[f"{source}_scale"].dtype).view(staged[f"{source}_scale"].shape)
+        )
+        want = {a: t.clone() for a, t in process(checkpoint).items()}
+        ov = torch.empty(experts, perm.n_values, dtype=torch.uint8, device=dev)
+        os_ = torch.empty(experts, perm.n_values // 32, dtype=torch.uint8, device=dev)
+        moved = 2 * x.numel() + ov.numel() + os_.numel()
+        bad = bad_flag(dev)
+        for bpp in (64, 128, 256):
+            for warps in (4, 8):
+                ov.zero_()
+                os_.zero_()
+                mk.quantize_permuted(x, perm, ov, os_, 0, bad, blocks_per_program=bpp, num_warps=warps)
+                equal = torch.equal(ov.view(-1), want[attr].reshape(-1).view(torch.uint8)) and torch.equal(
+                    os_.view(-1), want[scale_attr].reshape(-1).view(torch.uint8)
+                )
+                s = timed(lambda: mk.quantize_permuted(x, perm, ov, os_, 0, bad, blocks_per_program=bpp, num_warps=warps), dev)
+                info[f"write_b{bpp}_w{warps}"] = {
+                    "s": s,
+                    "GBps": moved / s / 1e9,
+                    "bytes_equal": equal,
+                    "clean": int(bad.item()) == NO_BAD,
+                }
+        src_v, src_s = qv.view(torch.uint8).view(experts, -1), qs.view(torch.uint8).view(experts, -1)
+        dst_v, dst_s = ov.view(experts, -1), os_.view(experts, -1)
+
+        def two_pass() -> None:
+            mxfp8.quantize(x, out=qv, scale_out=qs)
+            g.rows(src_v, dst_v)
+            sg.rows(src_s, dst_s)
+
+        info["quantize_then_gather"] = {"s": timed(two_pass, dev)}
+        flat = torch.empty(moved // 2, dtype=torch.uint8, device=dev)
+        other = torch.empty_like(flat)
+        s = timed(lambda: flat.copy_(other), dev)
+        info["copy_same_traffic"] = {"s": s, "GBps": 2 * flat.numel() / s / 1e9}
+    return rows
+
+
 def profile_kind(name: str, staged: Tensors, experts: int, process: Callable[[Tensors], Tensors], dev: torch.device) -> dict:
     held: Tensors = {}
 
@@ -320,6 +397,7 @@ def profile_kind(name: str, staged: Tensors, experts: int, process: Callable[[Te
         }
         info["rows"] = variants(g, src, dst, ref, dev, bool(info.get("is_permutation")), tiles)
         out["tensors"][attr] = info
+    out["trainer_write"] = trainer_write_rows(staged, layout, process, experts, dev)
     print(
         f"{name}: "
         + ", ".join(
@@ -342,7 +420,9 @@ def main() -> None:
         result["kinds"][name] = profile_kind(name, staged, experts, process, dev)
     done = [k for k in result["kinds"].values() if "apply_all_s" in k]
     result["all_equal"] = bool(done) and all(
-        k["apply_all_equal"] and all(r.get("bytes_equal", True) for t in k["tensors"].values() for r in t["rows"].values())
+        k["apply_all_equal"]
+        and all(r.get("bytes_equal", True) for t in k["tensors"].values() for r in t["rows"].values())
+        and all(r.get("bytes_equal", True) for t in k["trainer_write"].values() for r in t.values() if isinstance(r, dict))
         for k in done
     )
     if not args.smoke:

@@ -30,9 +30,32 @@ import triton.language as tl
 from mxrefit.devices import triton_interpreting
 from mxrefit.formats._common import bad_flag, first_bad
 from mxrefit.formats._triton_common import LaunchTable, e4m3_rne, supports, widen_to_f32_bits
+from mxrefit.formats.block_permutation import BlockPermutation
 from mxrefit.formats.kernel_layout import KernelLayout, interleaved_size, inverse_row_permutation
 
-__all__ = ["supports", "quantize_into", "QuantizeGroup"]
+__all__ = ["supports", "quantize_into", "quantize_permuted", "QuantizeGroup"]
+
+
+@triton.jit
+def _block_bytes(raw, MIN_BYTE: tl.constexpr, INT_ROUND: tl.constexpr, IS_BF16: tl.constexpr):
+    """Raw 16-bit words of blocks ([blocks, 32]) -> their E4M3 bytes, scale bytes (int32) and the
+    bits of each block's largest magnitude (>= 0x7F800000: the block holds a NaN or Inf)."""
+    bits = widen_to_f32_bits(raw, IS_BF16)
+    mag = bits & 0x7FFFFFFF
+    amag = tl.max(mag, axis=1)
+    sb = (amag >> 23) - 8 + ((amag & 0x7FFFFF) > 0x600000).to(tl.int32)
+    sb = tl.minimum(tl.maximum(sb, MIN_BYTE), 254)
+
+    if INT_ROUND:
+        byte = e4m3_rne(bits, sb[:, None])
+    else:
+        k = 127 - sb
+        k1 = k >> 1
+        f1 = ((k1 + 127) << 23).to(tl.float32, bitcast=True)
+        f2 = ((k - k1 + 127) << 23).to(tl.float32, bitcast=True)
+        y = (bits.to(tl.float32, bitcast=True) * f1[:, None]) * f2[:, None]
+        byte = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    return byte, sb, amag
 
 
 @triton.jit
@@ -52,22 +75,7 @@ def _quantize_blocks(
     to ``dst_values + value_at`` and its scale byte to ``dst_scales + scale_at``; returns which
     blocks were non-finite."""
     offs = blk[:, None] * 32 + tl.arange(0, 32)[None, :]
-    bits = widen_to_f32_bits(tl.load(src + offs, mask=blk_mask[:, None], other=0), IS_BF16)
-    mag = bits & 0x7FFFFFFF
-    amag = tl.max(mag, axis=1)
-    sb = (amag >> 23) - 8 + ((amag & 0x7FFFFF) > 0x600000).to(tl.int32)
-    sb = tl.minimum(tl.maximum(sb, MIN_BYTE), 254)
-
-    if INT_ROUND:
-        byte = e4m3_rne(bits, sb[:, None])
-    else:
-        k = 127 - sb
-        k1 = k >> 1
-        f1 = ((k1 + 127) << 23).to(tl.float32, bitcast=True)
-        f2 = ((k - k1 + 127) << 23).to(tl.float32, bitcast=True)
-        y = (bits.to(tl.float32, bitcast=True) * f1[:, None]) * f2[:, None]
-        byte = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-
+    byte, sb, amag = _block_bytes(tl.load(src + offs, mask=blk_mask[:, None], other=0), MIN_BYTE, INT_ROUND, IS_BF16)
     tl.store(dst_values + value_at[:, None] + tl.arange(0, 32)[None, :], byte, mask=blk_mask[:, None])
     tl.store(dst_scales + scale_at, sb.to(tl.uint8), mask=blk_mask)
     return blk_mask & (amag >= 0x7F800000)
@@ -248,6 +256,109 @@ def quantize_into(
         num_warps=num_warps,
     )
     return first_bad(flag) if own_bad else None
+
+
+@triton.jit
+def _permuted_kernel(
+    src,
+    values,
+    scales,
+    unit_src,
+    unit_out,
+    unit_scale,
+    block_pattern,
+    chunk_pattern,
+    local,
+    scale_pattern,
+    bad_ptr,
+    units,
+    src_per_expert,
+    values_per_expert,
+    scales_per_expert,
+    R: tl.constexpr,
+    G: tl.constexpr,
+    C: tl.constexpr,
+    MIN_BYTE: tl.constexpr,
+    INT_ROUND: tl.constexpr,
+    IS_BF16: tl.constexpr,
+):
+    """Units [R p, R p + R) of expert e of a ``BlockPermutation``: their G whole blocks each read
+    (64 bytes a block), quantized, their bytes put in the engine's order in registers and written
+    as C runs of 64 bytes each; the scale bytes to their places. A non-finite block reports its expert."""
+    u = tl.program_id(0) * R + tl.arange(0, R)
+    live = u < units
+    e = tl.program_id(1).to(tl.int64)
+    first = tl.load(unit_src + u, mask=live, other=0) + e * src_per_expert
+    at = tl.multiple_of(tl.reshape(first[:, None] + tl.load(block_pattern + tl.arange(0, G))[None, :], (R * G,)), 32)
+    in_unit = tl.reshape(tl.broadcast_to(live[:, None], (R, G)), (R * G,))
+    raw = tl.load(src + at[:, None] + tl.arange(0, 32)[None, :], mask=in_unit[:, None], other=0)
+    byte, sb, amag = _block_bytes(raw, MIN_BYTE, INT_ROUND, IS_BF16)
+    pick = tl.arange(0, R)[:, None] * (G * 32) + tl.load(local + tl.arange(0, C * 64))[None, :]
+    picked = tl.gather(tl.reshape(byte, (R * G * 32,)), tl.reshape(pick, (R * C * 64,)), 0)
+    head = tl.load(unit_out + u, mask=live, other=0) + e * values_per_expert
+    to = tl.multiple_of(tl.reshape(head[:, None] + tl.load(chunk_pattern + tl.arange(0, C))[None, :], (R * C,)), 64)
+    chunk_live = tl.reshape(tl.broadcast_to(live[:, None], (R, C)), (R * C,))
+    tl.store(values + to[:, None] + tl.arange(0, 64)[None, :], tl.reshape(picked, (R * C, 64)), mask=chunk_live[:, None])
+    sat = tl.load(unit_scale + u, mask=live, other=0) + e * scales_per_expert
+    scale_to = tl.reshape(sat[:, None] + tl.load(scale_pattern + tl.arange(0, G))[None, :], (R * G,))
+    tl.store(scales + scale_to, sb.to(tl.uint8), mask=in_unit)
+    any_bad = tl.max((in_unit & (amag >= 0x7F800000)).to(tl.int32), axis=0)
+    tl.atomic_min(bad_ptr, e.to(tl.int32), mask=any_bad > 0)
+
+
+def quantize_permuted(
+    x: torch.Tensor,
+    perm: BlockPermutation,
+    values: torch.Tensor,
+    scales: torch.Tensor,
+    min_byte: int,
+    bad: torch.Tensor,
+    *,
+    blocks_per_program: int = 128,
+    num_warps: int = 4,
+    int_round: bool | None = None,
+) -> None:
+    """Quantize ``x`` ([..., N, K], one ``perm`` per expert of the leading dims) straight into the
+    engine's order: ``values`` and ``scales`` hold ``perm``'s bytes per expert. Each program takes
+    the most units (a power of two, at least one) that fit ``blocks_per_program``. ``bad`` gets the lowest expert
+    holding a NaN or Inf; every byte is written either way."""
+    if not x.is_contiguous():
+        raise ValueError(f"a permuted write needs a contiguous source, got strides {x.stride()}")
+    experts, rem = divmod(x.numel(), perm.n_values)
+    if rem or values.numel() * values.element_size() != x.numel() or scales.numel() * scales.element_size() != x.numel() // 32:
+        raise ValueError(
+            f"a permuted write of {perm.n_values} elements per expert got {x.numel()} elements, "
+            f"{values.numel() * values.element_size()} value and {scales.numel() * scales.element_size()} scale bytes"
+        )
+    if experts == 0 or perm.units == 0:
+        return
+    if int_round is None:
+        int_round = triton_interpreting()
+    per_program = 1 << max(0, (blocks_per_program // perm.blocks_per_unit).bit_length() - 1)  # a power of two
+    _permuted_kernel[(triton.cdiv(perm.units, per_program), experts)](
+        x.view(torch.int16),
+        values.view(torch.uint8),
+        scales.view(torch.uint8),
+        perm.unit_src,
+        perm.unit_out,
+        perm.unit_scale,
+        perm.block_pattern,
+        perm.chunk_pattern,
+        perm.local,
+        perm.scale_pattern,
+        bad,
+        perm.units,
+        perm.n_values,
+        perm.n_values,
+        perm.n_values // 32,
+        R=per_program,
+        G=perm.blocks_per_unit,
+        C=perm.chunks_per_unit,
+        MIN_BYTE=min_byte,
+        INT_ROUND=int_round,
+        IS_BF16=x.dtype == torch.bfloat16,
+        num_warps=num_warps,
+    )
 
 
 class _LayoutTables:

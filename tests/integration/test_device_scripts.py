@@ -73,8 +73,12 @@ def test_gather_profile_script(tmp_path, interpret, monkeypatch):
         "weight": 128,
         "weight_scale": None,
     }
+    # the same whole-block group seen as units (formats/block_permutation.py): 4 blocks into 2 chunks
+    written = report["kinds"]["dense"]["trainer_write"]["weight"]
+    assert (written["blocks_per_unit"], written["chunks_per_unit"]) == (4, 2), written
     rows = {name for t in tensors for name, row in t["rows"].items() if "bytes_equal" in row}
-    if interpret:
+    if interpret:  # the trainer-side kernel's bytes against the stand-in's processing (all_equal counts them)
+        assert written["write_b128_w4"]["bytes_equal"] is True, written
         for variant in (
             "gather_b512_w4",
             "gather_b1024_w4_p1",

@@ -28,6 +28,9 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from mxrefit.formats import _finite_check_triton, _fp8_block_triton, _mxfp8_triton, _passthrough_triton  # noqa: E402
 
+# the permuted write takes its tensors directly (typed pointers and scalars), not from address tables
+TYPED = {"src": "*i16", "values": "*u8", "scales": "*u8", "local": "*i32", "units": "i32"}
+TYPED |= {name: "i64" for name in ("src_per_expert", "values_per_expert", "scales_per_expert")}
 I32 = {"prog_tensor", "prog_block", "prog_tile", "prog_chunk", "prog_start", "caller_index", "bad_ptr", "flag", "tiled_of"}
 FLOOR = _fp8_block_triton._AMAX_FLOOR_BITS
 MASK = 0x7F80  # BF16 exponent
@@ -44,6 +47,11 @@ KERNELS = {
     "mxfp8 kernel layout": (
         _mxfp8_triton._layout_group_kernel,
         dict(MIN_BYTE=0, NB=128, ITERS=1, INT_ROUND=False, IS_BF16=True),
+        True,
+    ),
+    "mxfp8 permuted write (units of 4 blocks, 32 a program)": (
+        _mxfp8_triton._permuted_kernel,
+        dict(R=32, G=4, C=2, MIN_BYTE=0, INT_ROUND=False, IS_BF16=True),
         True,
     ),
     "fp8 block group": (
@@ -85,11 +93,20 @@ KERNELS = {
 
 
 def global_accesses(kernel, constexprs: dict, aligned: bool) -> collections.Counter:
-    """Counts of each global load/store instruction in the kernel's sm_90 PTX."""
-    consts = dict(constexprs, ALIGNED=aligned)
-    signature = {p.name: "constexpr" if p.is_constexpr else ("*i32" if p.name in I32 else "*i64") for p in kernel.params}
+    """Counts of each global load/store instruction in the kernel's sm_90 PTX. ``aligned``: the
+    kernel's ALIGNED constexpr where it has one (table-loaded addresses), else 16-byte aligned
+    pointer arguments (what Triton's launcher specializes for tensors from PyTorch's allocator)."""
+    names = [p.name for p in kernel.params]
+    consts = dict(constexprs, ALIGNED=aligned) if "ALIGNED" in names else dict(constexprs)
+    typed = TYPED if kernel is _mxfp8_triton._permuted_kernel else {}
+    signature = {
+        p.name: "constexpr" if p.is_constexpr else typed.get(p.name, "*i32" if p.name in I32 else "*i64") for p in kernel.params
+    }
+    attrs = {}
+    if aligned and "ALIGNED" not in names:
+        attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names) if signature[name].startswith("*")}
     compiled = triton.compile(
-        ASTSource(fn=kernel, signature=signature, constexprs=consts),
+        ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs),
         target=GPUTarget("cuda", 90, 32),
         options={"num_warps": 4},
     )
@@ -115,7 +132,9 @@ def test_aligned_tables_give_wide_accesses(name):
         assert _wide(aligned, "st") > 0, f"{name}: bulk bytes written narrow when aligned: {dict(aligned)}"
 
 
-@pytest.mark.parametrize("name", ["mxfp8 kernel layout", "passthrough copy"])
+@pytest.mark.parametrize(
+    "name", ["mxfp8 kernel layout", "passthrough copy", "mxfp8 permuted write (units of 4 blocks, 32 a program)"]
+)
 def test_without_the_hint_accesses_are_narrow(name):
     """Negative control: the same kernel with ALIGNED off has no wide access, so the check above can fail."""
     kernel, consts, _ = KERNELS[name]
