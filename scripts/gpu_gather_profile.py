@@ -398,6 +398,24 @@ def profile_kind(name: str, staged: Tensors, experts: int, process: Callable[[Te
         info["rows"] = variants(g, src, dst, ref, dev, bool(info.get("is_permutation")), tiles)
         out["tensors"][attr] = info
     out["trainer_write"] = trainer_write_rows(staged, layout, process, experts, dev)
+    for attr, w in out["trainer_write"].items():
+        writes = {k: r for k, r in w.items() if k.startswith("write_")}
+        best = min(writes.items(), key=lambda kv: kv[1]["s"]) if writes else None
+        print(
+            f"gather trainer_write {name}.{attr}: "
+            + (
+                w["refused"]
+                if "refused" in w
+                else f"units of {w['blocks_per_unit']} blocks into {w['chunks_per_unit']} chunks"
+                + (
+                    f"; best {best[0]} {best[1]['GBps']:.0f} GB/s (copy {w['copy_same_traffic']['GBps']:.0f}), "
+                    f"bytes equal vLLM's: {all(r['bytes_equal'] for r in writes.values())}; "
+                    f"quantize then gather {w['quantize_then_gather']['s'] * 1e3:.2f} ms vs {best[1]['s'] * 1e3:.2f} ms"
+                    if best
+                    else ""
+                )
+            )
+        )
     print(
         f"{name}: "
         + ", ".join(
