@@ -34,6 +34,7 @@ Ends with the estimate for a whole 48-layer refit, to set beside the headline's 
     PYTHONPATH=/tmp/site:$PWD python3 scripts/gpu_gather_profile.py --json $OUT/gather.json     # vLLM on the path
     python3 scripts/gpu_gather_profile.py --smoke --json /tmp/gather.json   # CPU: a stand-in layout, tiny shapes
     TRITON_INTERPRET=1 python3 scripts/gpu_gather_profile.py --smoke ...    # the same with every kernel variant
+    PYTHONPATH=$PWD python3 scripts/gpu_gather_profile.py --standin --json $OUT/gather.json  # GPU, no vLLM: stand-in layout, full shapes
 """
 
 from __future__ import annotations
@@ -116,8 +117,11 @@ def standin_words(t: Tensors) -> Tensors:
     return {name: x.view(torch.uint8).view(torch.int32).transpose(-2, -1).contiguous() for name, x in t.items()}
 
 
-def kinds(smoke: bool, dev: torch.device) -> dict[str, tuple[Tensors, int, Callable[[Tensors], Tensors]]]:
-    """Per module kind: checkpoint-format tensors (random bytes), experts, processing."""
+def kinds(
+    smoke: bool, dev: torch.device, standin_only: bool = False
+) -> dict[str, tuple[Tensors, int, Callable[[Tensors], Tensors]]]:
+    """Per module kind: checkpoint-format tensors (random bytes), experts, processing (``standin_only``:
+    the stand-in at Qwen3-30B-A3B's shapes, for a GPU without vLLM)."""
 
     def linear(n: int, k: int, e: int = 0) -> Tensors:
         lead = (e,) if e else ()
@@ -135,6 +139,12 @@ def kinds(smoke: bool, dev: torch.device) -> dict[str, tuple[Tensors, int, Calla
         **{f"w13_{n}": t for n, t in linear(2 * MOE_I, HIDDEN, E).items()},
         **{f"w2_{n}": t for n, t in linear(HIDDEN, MOE_I, E).items()},
     }
+    if standin_only:
+        return {
+            "qkv_proj": (linear(QKV_N, HIDDEN), 1, standin),
+            "o_proj": (linear(HIDDEN, O_K), 1, standin),
+            "experts": (moe, E, standin),
+        }
     return {
         "qkv_proj": (linear(QKV_N, HIDDEN), 1, vllm_dense(QKV_N, HIDDEN)),
         "o_proj": (linear(HIDDEN, O_K), 1, vllm_dense(HIDDEN, O_K)),
@@ -430,11 +440,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", required=True)
     ap.add_argument("--smoke", action="store_true", help="CPU: a stand-in layout on tiny shapes (no vLLM)")
+    ap.add_argument("--standin", action="store_true", help="GPU without vLLM: the stand-in layout at the model's shapes")
     args = ap.parse_args()
     dev = torch.device("cpu") if args.smoke else torch.device("cuda", 0)
     torch.set_default_dtype(torch.bfloat16)  # the engine's parameter dtype: Marlin's scales pass through it
     result: dict = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "kinds": {}}
-    for name, (staged, experts, process) in kinds(args.smoke, dev).items():
+    for name, (staged, experts, process) in kinds(args.smoke, dev, args.standin).items():
         result["kinds"][name] = profile_kind(name, staged, experts, process, dev)
     done = [k for k in result["kinds"].values() if "apply_all_s" in k]
     result["all_equal"] = bool(done) and all(
