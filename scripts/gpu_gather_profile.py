@@ -344,7 +344,7 @@ def trainer_write_rows(staged: Tensors, layout, process: Callable[[Tensors], Ten
         os_ = torch.empty(experts, perm.n_values // 32, dtype=torch.uint8, device=dev)
         moved = 2 * x.numel() + ov.numel() + os_.numel()
         bad = bad_flag(dev)
-        for bpp in (64, 128, 256):
+        for bpp in (64, 128, 256, 512, 1024):
             for warps in (4, 8):
                 ov.zero_()
                 os_.zero_()
