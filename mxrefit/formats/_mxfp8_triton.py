@@ -322,8 +322,8 @@ def quantize_permuted(
     engine's order: ``values`` and ``scales`` hold ``perm``'s bytes per expert. Each program takes
     the most units (a power of two, at least one) that fit ``blocks_per_program``. ``bad`` gets the lowest expert
     holding a NaN or Inf; every byte is written either way."""
-    if not x.is_contiguous():
-        raise ValueError(f"a permuted write needs a contiguous source, got strides {x.stride()}")
+    if x.dtype not in (torch.bfloat16, torch.float16) or not x.is_contiguous():
+        raise ValueError(f"a permuted write needs a contiguous BF16 or FP16 source, got {x.dtype} with strides {x.stride()}")
     experts, rem = divmod(x.numel(), perm.n_values)
     if rem or values.numel() * values.element_size() != x.numel() or scales.numel() * scales.element_size() != x.numel() // 32:
         raise ValueError(

@@ -72,8 +72,8 @@ class BlockPermutation:
         idx = value_index.to(torch.int64).cpu()
         sidx = scale_index.to(torch.int64).cpu()
         n = idx.numel()
-        if n == 0 or n % CHUNK or n % BLOCK:
-            return f"{n} value bytes are not whole {CHUNK}-byte chunks of whole {BLOCK}-byte blocks"
+        if n == 0 or n % CHUNK:
+            return f"{n} value bytes are not whole {CHUNK}-byte chunks (nor, then, whole {BLOCK}-byte blocks)"
         if not torch.equal(torch.bincount(idx, minlength=n), torch.ones(n, dtype=torch.int64)):
             return "the value order is not a permutation of the checkpoint's bytes (a byte read twice, or never)"
         blocks = n // BLOCK
@@ -95,11 +95,10 @@ class BlockPermutation:
             return f"a unit of {c_per} chunks and {g_per} blocks is not one power-of-two tile of whole blocks"
         if c_per * CHUNK > MAX_UNIT_BYTES:
             return f"a unit of {c_per * CHUNK} bytes is larger than one program's {MAX_UNIT_BYTES}"
-        # chunk and block ids grouped by unit, each group ascending (labels are the unit's first chunk)
+        # chunk and block ids grouped by unit, each group ascending; both sides list the units in
+        # label order (a label is the unit's first chunk), so row u is the same unit on both
         chunk_ids = torch.argsort(chunk_label * chunks + torch.arange(chunks)).view(-1, c_per)
         block_ids = torch.argsort(block_label * blocks + torch.arange(blocks)).view(-1, g_per)
-        if not torch.equal(chunk_label[chunk_ids[:, 0]], block_label[block_ids[:, 0]]):
-            return "units are not ordered alike on both sides"
         chunk_pattern = _shared(chunk_ids * CHUNK)
         block_pattern = _shared(block_ids * BLOCK)
         scale_at = torch.empty(blocks, dtype=torch.int64)

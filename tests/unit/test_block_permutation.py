@@ -142,12 +142,13 @@ for order, n, kk, dtype in ((marlin8_values, 128, 64, torch.bfloat16), (marlin8_
     x[2, 5, 9] = float("nan")
     k.quantize_permuted(x, perm, ov, os_, 0, bad)
     assert int(bad.item()) == 2 and torch.equal(ov[:2], want_v[:2])
-try:
-    k.quantize_permuted(torch.zeros(2, 64, 128, dtype=torch.bfloat16), perm, ov, os_, 0, bad)
-except ValueError as err:
-    assert "per expert" in str(err), err
-else:
-    raise AssertionError("a source of another size was written")
+for wrong_x, rule in ((torch.zeros(2, 64, 128, dtype=torch.bfloat16), "per expert"), (torch.zeros(3, 128, 128), "BF16 or FP16")):
+    try:
+        k.quantize_permuted(wrong_x, perm, ov, os_, 0, bad)
+    except ValueError as err:
+        assert rule in str(err), err
+    else:
+        raise AssertionError(f"a {wrong_x.dtype} source of {tuple(wrong_x.shape)} was written")
 print("ok")
 """
 
