@@ -79,7 +79,7 @@ class ScanGroup:
         """``chunk`` and ``block`` count elements. The kernel reads ``lanes`` elements per word
         (BF16 pairs as int32, quads as int64; None: the widest every size allows) and tests each
         one's exponent, narrowed at each step where a source's address does not allow it. One
-        element a word is the default: the scan read at 97% of the copy rate so on an H100, and
+        element a word is the default: the scan read at 96% of the copy rate so on an H100, and
         quads at 86-95% (pack profile, 2026-12-06)."""
         self.device = device
         self.dtype = dtype
