@@ -90,6 +90,21 @@ def test_orders_a_kernel_cannot_write_are_refused_with_the_rule(broken, rule):
     assert isinstance(BlockPermutation.of(index_of(marlin8_values, n, k), index_of(marlin8_scales, n, k // 32)), BlockPermutation)
 
 
+def test_units_of_a_tile_no_program_can_take_are_refused():
+    """Units of 6 blocks into 3 chunks (bytes dealt round-robin over 6 blocks) are no power-of-two tile;
+    a random byte permutation is one unit over the whole tensor, larger than a program's output."""
+    j = torch.arange(192)
+    groups = 32
+    dealt = (torch.arange(groups)[:, None] * 192 + (j % 6) * 32 + j // 6).reshape(-1)
+    got = BlockPermutation.of(dealt, torch.arange(groups * 6))
+    assert isinstance(got, str) and "power-of-two tile" in got, got
+    shuffled = torch.randperm(
+        1 << 14, generator=torch.Generator().manual_seed(5)
+    )  # every chunk tied to every other: one 16 KB unit
+    got = BlockPermutation.of(shuffled, torch.arange(512))
+    assert isinstance(got, str) and "larger than one program" in got, got
+
+
 def test_reference_writer_equals_the_index_gather():
     """The descriptor's plain-indexing writer puts every byte where the learned index says."""
     n, k, e = 128, 64, 3
