@@ -140,15 +140,13 @@ def kinds(
         **{f"w2_{n}": t for n, t in linear(HIDDEN, MOE_I, E).items()},
     }
     if standin_only:
-        return {
-            "qkv_proj": (linear(QKV_N, HIDDEN), 1, standin),
-            "o_proj": (linear(HIDDEN, O_K), 1, standin),
-            "experts": (moe, E, standin),
-        }
+        qkv, o, experts = standin, standin, standin
+    else:
+        qkv, o, experts = vllm_dense(QKV_N, HIDDEN), vllm_dense(HIDDEN, O_K), vllm_moe()
     return {
-        "qkv_proj": (linear(QKV_N, HIDDEN), 1, vllm_dense(QKV_N, HIDDEN)),
-        "o_proj": (linear(HIDDEN, O_K), 1, vllm_dense(HIDDEN, O_K)),
-        "experts": (moe, E, vllm_moe()),
+        "qkv_proj": (linear(QKV_N, HIDDEN), 1, qkv),
+        "o_proj": (linear(HIDDEN, O_K), 1, o),
+        "experts": (moe, E, experts),
     }
 
 

@@ -272,9 +272,7 @@ def _permuted_kernel(
     scale_pattern,
     bad_ptr,
     units,
-    src_per_expert,
-    values_per_expert,
-    scales_per_expert,
+    per_expert,
     R: tl.constexpr,
     G: tl.constexpr,
     C: tl.constexpr,
@@ -284,22 +282,23 @@ def _permuted_kernel(
 ):
     """Units [R p, R p + R) of expert e of a ``BlockPermutation``: their G whole blocks each read
     (64 bytes a block), quantized, their bytes put in the engine's order in registers and written
-    as C runs of 64 bytes each; the scale bytes to their places. A non-finite block reports its expert."""
+    as C runs of 64 bytes each; the scale bytes to their places. ``per_expert``: elements of one
+    expert, which are also its E4M3 bytes (and 32 times its scale bytes). A non-finite block reports its expert."""
     u = tl.program_id(0) * R + tl.arange(0, R)
     live = u < units
     e = tl.program_id(1).to(tl.int64)
-    first = tl.load(unit_src + u, mask=live, other=0) + e * src_per_expert
+    first = tl.load(unit_src + u, mask=live, other=0) + e * per_expert
     at = tl.multiple_of(tl.reshape(first[:, None] + tl.load(block_pattern + tl.arange(0, G))[None, :], (R * G,)), 32)
     in_unit = tl.reshape(tl.broadcast_to(live[:, None], (R, G)), (R * G,))
     raw = tl.load(src + at[:, None] + tl.arange(0, 32)[None, :], mask=in_unit[:, None], other=0)
     byte, sb, amag = _block_bytes(raw, MIN_BYTE, INT_ROUND, IS_BF16)
     pick = tl.arange(0, R)[:, None] * (G * 32) + tl.load(local + tl.arange(0, C * 64))[None, :]
     picked = tl.gather(tl.reshape(byte, (R * G * 32,)), tl.reshape(pick, (R * C * 64,)), 0)
-    head = tl.load(unit_out + u, mask=live, other=0) + e * values_per_expert
+    head = tl.load(unit_out + u, mask=live, other=0) + e * per_expert
     to = tl.multiple_of(tl.reshape(head[:, None] + tl.load(chunk_pattern + tl.arange(0, C))[None, :], (R * C,)), 64)
     chunk_live = tl.reshape(tl.broadcast_to(live[:, None], (R, C)), (R * C,))
     tl.store(values + to[:, None] + tl.arange(0, 64)[None, :], tl.reshape(picked, (R * C, 64)), mask=chunk_live[:, None])
-    sat = tl.load(unit_scale + u, mask=live, other=0) + e * scales_per_expert
+    sat = tl.load(unit_scale + u, mask=live, other=0) + e * (per_expert // 32)
     scale_to = tl.reshape(sat[:, None] + tl.load(scale_pattern + tl.arange(0, G))[None, :], (R * G,))
     tl.store(scales + scale_to, sb.to(tl.uint8), mask=in_unit)
     any_bad = tl.max((in_unit & (amag >= 0x7F800000)).to(tl.int32), axis=0)
@@ -349,8 +348,6 @@ def quantize_permuted(
         bad,
         perm.units,
         perm.n_values,
-        perm.n_values,
-        perm.n_values // 32,
         R=per_program,
         G=perm.blocks_per_unit,
         C=perm.chunks_per_unit,

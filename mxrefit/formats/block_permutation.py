@@ -19,9 +19,9 @@ and ``scale_index`` (the same for the scale bytes, [N, K / 32]: scale byte b bel
   ``local`` map from the unit's output bytes to its blocks' bytes (block rank x 32 + byte),
   and its scale bytes at ``unit_scale[u] + scale_pattern``.
 
-Marlin's 8-bit tiles (16 of K x 64 of N, run along N first) give units of 64 blocks (64 rows x
-one 32-wide K slab) and two 1 KB tiles N / 64 tiles apart: G 64, C 32. Anything else is refused
-with the rule it breaks, and the engine keeps its own processing for that tensor.
+vLLM 0.26's Marlin MXFP8 order (qkv, o, and the MoE's w13 and w2) is units of 8 blocks into 4
+chunks (H100, 2026-12-06, docs/vllm.md). Anything else is refused with the rule it breaks, and the
+engine keeps its own processing for that tensor.
 """
 
 from __future__ import annotations
