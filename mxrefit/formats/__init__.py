@@ -25,6 +25,7 @@ import torch
 from mxrefit.devices import triton_kernels
 from mxrefit.formats import fp8_block, mxfp8
 from mxrefit.formats._common import NonFiniteError
+from mxrefit.formats.block_permutation import BlockPermutation
 from mxrefit.formats.finite_check import FiniteCheck
 from mxrefit.formats.kernel_layout import KernelLayout, layout_problem, write_reference
 
@@ -207,12 +208,16 @@ class MXFP8(Format):
     def check_layouts(self, name, parts, layouts):
         """Values: a row order only; scales: a row order and/or 128x4 tiles; one row order and one
         region for both (a scale byte must sit in the row of its values); a shared region without
-        tile padding (no writer owns the padding bytes to zero them)."""
+        tile padding (no writer owns the padding bytes to zero them). A learned order: on both
+        parts, the same one, each in its role, and its units must not mix this tensor's rows with
+        another's (``BlockPermutation.rows``)."""
         for spec, layout in zip(parts, layouts):
             if layout is None:
                 continue
             if spec.role == "values" and layout.tiles is not None:
                 raise ValueError(f"tensor {name!r}: MXFP8 values are never tiled; the engine asks for values in {layout}")
+            if layout.order is not None and layout.order_role != spec.role:
+                raise ValueError(f"tensor {name!r}: the engine asks for its {spec.role} in the {layout.order_role}' order")
             problem = layout_problem(layout, spec.role, tuple(spec.shape))
             if problem is not None:
                 raise ValueError(f"tensor {name!r}: cannot write kernel layout {layout}: {problem}")
@@ -222,7 +227,12 @@ class MXFP8(Format):
                     f"{layout.region(spec.shape[-2])} rows is tile padded, and a region several sources share "
                     f"needs whole 128x4 tiles"
                 )
-        rows = [(lay.rows, lay.row_offset, lay.region_rows) if lay is not None else (None, 0, None) for lay in layouts]
+        rows = [
+            (lay.rows, lay.row_offset, lay.region_rows, lay.order and lay.order.rpartition(":")[0])
+            if lay is not None
+            else (None, 0, None, None)
+            for lay in layouts
+        ]
         if len(set(rows)) > 1:
             raise ValueError(
                 f"tensor {name!r}: MXFP8 values and scales must share one row order and region (a scale byte sits "
@@ -251,7 +261,53 @@ class MXFP8(Format):
                 else:
                     write_reference(layout, part, dst)
 
-        return _kernel_encoder(sources, outs, make_group, encode_one, layouts)
+        ordered = _learned_order_groups(sources, outs, layouts) if kernels is not None else {}
+        if not ordered:
+            return _kernel_encoder(sources, outs, make_group, encode_one, layouts)
+        inside = {i for _, idx in ordered.values() for i in idx}
+        rest = [i for i in range(len(sources)) if i not in inside]
+        inner = _kernel_encoder(
+            [sources[i] for i in rest],
+            [outs[i] for i in rest],
+            make_group,
+            encode_one,
+            [layouts[i] for i in rest] if layouts is not None else None,
+        )
+        launches = []
+        for perm, idx in ordered.values():
+            shaped = [torch.empty(sources[i][0], dtype=sources[i][1], device="meta") for i in idx]
+            device = outs[idx[0]][0].device
+            group = kernels.PermutedGroup(perm, shaped, [tuple(outs[i]) for i in idx], idx, device=device)
+            launches.append((idx, group))
+
+        def encode(step_sources, bad):
+            for idx, group in launches:
+                group([step_sources[i] for i in idx], min_byte, bad)
+            if rest:
+                inner([step_sources[i] for i in rest], bad)
+
+        return encode
+
+
+def _learned_order_groups(
+    sources: Sequence[tuple[tuple[int, ...], torch.dtype]], outs: Sequence[Sequence[torch.Tensor]], layouts: Layouts | None
+) -> dict[tuple, tuple[BlockPermutation, list[int]]]:
+    """Sources on CUDA whose parts are in a learned order, grouped by the units they write (one
+    ``PermutedGroup`` launch each: a layer's q and every layer's q alike, or all experts' gates)
+    and source dtype."""
+    groups: dict[tuple, tuple[BlockPermutation, list[int]]] = {}
+    for i, per_part in enumerate(layouts or ()):
+        lay = per_part[0] if per_part else None
+        if lay is None or lay.order is None or sources[i][1] not in (torch.bfloat16, torch.float16):
+            continue
+        if outs[i][0].device.type != "cuda":
+            continue
+        perm = lay.part_order(tuple(sources[i][0]))
+        if isinstance(perm, str):  # check_layouts refused it before any encoder was built
+            raise ValueError(perm)
+        key = (lay.order, lay.row_offset, tuple(sources[i][0][-2:]), sources[i][1])
+        groups.setdefault(key, (perm, []))[1].append(i)
+    return groups
 
 
 class FP8Block(Format):

@@ -33,7 +33,7 @@ from mxrefit.formats._triton_common import LaunchTable, e4m3_rne, supports, wide
 from mxrefit.formats.block_permutation import BlockPermutation
 from mxrefit.formats.kernel_layout import KernelLayout, interleaved_size, inverse_row_permutation
 
-__all__ = ["supports", "quantize_into", "quantize_permuted", "QuantizeGroup"]
+__all__ = ["supports", "quantize_into", "quantize_permuted", "PermutedGroup", "QuantizeGroup"]
 
 
 @triton.jit
@@ -260,9 +260,10 @@ def quantize_into(
 
 @triton.jit
 def _permuted_kernel(
-    src,
-    values,
-    scales,
+    src_addr,
+    values_addr,
+    scales_addr,
+    caller_index,
     unit_src,
     unit_out,
     unit_scale,
@@ -272,37 +273,145 @@ def _permuted_kernel(
     scale_pattern,
     bad_ptr,
     units,
-    per_expert,
     R: tl.constexpr,
     G: tl.constexpr,
     C: tl.constexpr,
     MIN_BYTE: tl.constexpr,
     INT_ROUND: tl.constexpr,
     IS_BF16: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
-    """Units [R p, R p + R) of expert e of a ``BlockPermutation``: their G whole blocks each read
-    (64 bytes a block), quantized, their bytes put in the engine's order in registers and written
-    as C runs of 64 bytes each; the scale bytes to their places. ``per_expert``: elements of one
-    expert, which are also its E4M3 bytes (and 32 times its scale bytes). A non-finite block reports its expert."""
-    u = tl.program_id(0) * R + tl.arange(0, R)
+    """Units [R q, R q + R) of instance i (one expert of one source: program (i, q)) of a
+    ``BlockPermutation``: their G whole blocks each read (64 bytes a block), quantized, their bytes
+    put in the engine's order in registers and written as C runs of 64 bytes each; the scale bytes
+    to their places. Addresses come from tables (instances of many tensors in one launch); a
+    non-finite block reports ``caller_index[i]``."""
+    i = tl.program_id(0)
+    u = tl.program_id(1) * R + tl.arange(0, R)
     live = u < units
-    e = tl.program_id(1).to(tl.int64)
-    first = tl.load(unit_src + u, mask=live, other=0) + e * per_expert
+    src = tl.load(src_addr + i).to(tl.pointer_type(tl.int16))
+    values = tl.load(values_addr + i).to(tl.pointer_type(tl.uint8))
+    scales = tl.load(scales_addr + i).to(tl.pointer_type(tl.uint8))
+    if ALIGNED:
+        src = tl.multiple_of(src, 16)
+        values = tl.multiple_of(values, 16)
+    first = tl.load(unit_src + u, mask=live, other=0)
     at = tl.multiple_of(tl.reshape(first[:, None] + tl.load(block_pattern + tl.arange(0, G))[None, :], (R * G,)), 32)
     in_unit = tl.reshape(tl.broadcast_to(live[:, None], (R, G)), (R * G,))
     raw = tl.load(src + at[:, None] + tl.arange(0, 32)[None, :], mask=in_unit[:, None], other=0)
     byte, sb, amag = _block_bytes(raw, MIN_BYTE, INT_ROUND, IS_BF16)
     pick = tl.arange(0, R)[:, None] * (G * 32) + tl.load(local + tl.arange(0, C * 64))[None, :]
     picked = tl.gather(tl.reshape(byte, (R * G * 32,)), tl.reshape(pick, (R * C * 64,)), 0)
-    head = tl.load(unit_out + u, mask=live, other=0) + e * per_expert
+    head = tl.load(unit_out + u, mask=live, other=0)
     to = tl.multiple_of(tl.reshape(head[:, None] + tl.load(chunk_pattern + tl.arange(0, C))[None, :], (R * C,)), 64)
     chunk_live = tl.reshape(tl.broadcast_to(live[:, None], (R, C)), (R * C,))
     tl.store(values + to[:, None] + tl.arange(0, 64)[None, :], tl.reshape(picked, (R * C, 64)), mask=chunk_live[:, None])
-    sat = tl.load(unit_scale + u, mask=live, other=0) + e * (per_expert // 32)
+    sat = tl.load(unit_scale + u, mask=live, other=0)
     scale_to = tl.reshape(sat[:, None] + tl.load(scale_pattern + tl.arange(0, G))[None, :], (R * G,))
     tl.store(scales + scale_to, sb.to(tl.uint8), mask=in_unit)
     any_bad = tl.max((in_unit & (amag >= 0x7F800000)).to(tl.int32), axis=0)
-    tl.atomic_min(bad_ptr, e.to(tl.int32), mask=any_bad > 0)
+    tl.atomic_min(bad_ptr, tl.load(caller_index + i), mask=any_bad > 0)
+
+
+def _per_program(perm: BlockPermutation, blocks_per_program: int) -> int:
+    """Units a program takes: the most, as a power of two (at least one), that fit ``blocks_per_program``."""
+    return 1 << max(0, (blocks_per_program // perm.blocks_per_unit).bit_length() - 1)
+
+
+class PermutedGroup:
+    """One launch writing many tensors that share one learned order (``BlockPermutation``: the
+    same layers' q, say, or every expert's gate), each straight into the engine's order.
+
+    Why a group: a MoE's experts are thousands of trainer tensors alike (128 gates per layer), and
+    a launch each costs more than their bytes. Each tensor's experts are instances (program grid
+    dim 0); destinations are fixed, so their addresses are tabled once; source addresses are
+    re-sent only when they change. A non-finite block reports the tensor's ``index``."""
+
+    def __init__(
+        self,
+        perm: BlockPermutation,
+        sources: Sequence[torch.Tensor],
+        outs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        indices: Sequence[int],
+        *,
+        device: torch.device,
+        blocks_per_program: int = 128,
+        num_warps: int = 4,
+    ):
+        """``sources`` give shapes and dtype only (meta tensors will do): [..., rows, K] with
+        ``perm.source_elements`` elements per expert; ``outs`` hold ``perm.n_values`` value bytes and
+        ``n_values / 32`` scale bytes per expert."""
+        self.perm = perm.to(device)
+        self.device = device
+        self.is_bf16 = sources[0].dtype == torch.bfloat16
+        self.per_program = _per_program(perm, blocks_per_program)
+        self.num_warps = num_warps
+        self.experts: list[int] = []
+        values, scales, which = [], [], []
+        for s, (v, sc), index in zip(sources, outs, indices):
+            experts, rem = divmod(s.numel(), perm.source_elements)
+            out_v, out_s = v.numel() * v.element_size(), sc.numel() * sc.element_size()
+            if s.dtype not in (torch.bfloat16, torch.float16) or s.dtype != sources[0].dtype:
+                raise ValueError(f"a permuted write needs BF16 or FP16 sources of one dtype, got {s.dtype}")
+            if rem or experts == 0 or out_v != experts * perm.n_values or out_s != experts * (perm.n_values // 32):
+                raise ValueError(
+                    f"a permuted write of {perm.source_elements} elements into {perm.n_values} bytes per expert got "
+                    f"{s.numel()} elements, {out_v} value and {out_s} scale bytes"
+                )
+            self.experts.append(experts)
+            values += [v.data_ptr() + e * perm.n_values for e in range(experts)]
+            scales += [sc.data_ptr() + e * (perm.n_values // 32) for e in range(experts)]
+            which += [index] * experts
+        self.instances = len(values)
+        self._aligned_out = all(a % 16 == 0 for a in values)
+        self.values_addr = torch.tensor(values, dtype=torch.int64, device=device)
+        self.scales_addr = torch.tensor(scales, dtype=torch.int64, device=device)
+        self.caller_index = torch.tensor(which, dtype=torch.int32, device=device)
+        self._bound: list[int] | None = None
+        self.src_addr: torch.Tensor | None = None
+        self._aligned = False
+
+    def _bind(self, sources: Sequence[torch.Tensor]) -> None:
+        ptrs = [t.data_ptr() for t in sources]
+        if ptrs == self._bound:
+            return
+        step = self.perm.source_elements * 2
+        addrs = [p + e * step for p, n in zip(ptrs, self.experts) for e in range(n)]
+        self.src_addr = torch.tensor(addrs, dtype=torch.int64).to(self.device)
+        self._aligned = self._aligned_out and all(a % 16 == 0 for a in addrs)
+        self._bound = ptrs
+
+    def __call__(self, sources: Sequence[torch.Tensor], min_byte: int, bad: torch.Tensor, int_round: bool | None = None) -> None:
+        for s, n in zip(sources, self.experts):
+            if not s.is_contiguous() or s.numel() != n * self.perm.source_elements:
+                raise ValueError(f"a permuted write needs the planned contiguous sources, got {tuple(s.shape)} {s.stride()}")
+        if self.instances == 0 or self.perm.units == 0:
+            return
+        self._bind(sources)
+        p = self.perm
+        _permuted_kernel[(self.instances, triton.cdiv(p.units, self.per_program))](
+            self.src_addr,
+            self.values_addr,
+            self.scales_addr,
+            self.caller_index,
+            p.unit_src,
+            p.unit_out,
+            p.unit_scale,
+            p.block_pattern,
+            p.chunk_pattern,
+            p.local,
+            p.scale_pattern,
+            bad,
+            p.units,
+            R=self.per_program,
+            G=p.blocks_per_unit,
+            C=p.chunks_per_unit,
+            MIN_BYTE=min_byte,
+            INT_ROUND=triton_interpreting() if int_round is None else int_round,
+            IS_BF16=self.is_bf16,
+            ALIGNED=self._aligned,
+            num_warps=self.num_warps,
+        )
 
 
 def quantize_permuted(
@@ -318,44 +427,29 @@ def quantize_permuted(
     int_round: bool | None = None,
 ) -> None:
     """Quantize ``x`` ([..., N, K], one ``perm`` per expert of the leading dims) straight into the
-    engine's order: ``values`` and ``scales`` hold ``perm``'s bytes per expert. Each program takes
-    the most units (a power of two, at least one) that fit ``blocks_per_program``. ``bad`` gets the lowest expert
-    holding a NaN or Inf; every byte is written either way."""
+    engine's order: ``values`` and ``scales`` hold ``perm``'s bytes per expert. ``bad`` gets the
+    lowest expert holding a NaN or Inf; every byte is written either way. (One tensor; a
+    ``PermutedGroup`` of one, for the profile scripts and tests.)"""
     if x.dtype not in (torch.bfloat16, torch.float16) or not x.is_contiguous():
         raise ValueError(f"a permuted write needs a contiguous BF16 or FP16 source, got {x.dtype} with strides {x.stride()}")
-    experts, rem = divmod(x.numel(), perm.n_values)
-    if rem or values.numel() * values.element_size() != x.numel() or scales.numel() * scales.element_size() != x.numel() // 32:
+    experts, rem = divmod(x.numel(), perm.source_elements)
+    if rem or experts == 0:
+        raise ValueError(f"a permuted write of {perm.source_elements} elements per expert got {x.numel()} elements")
+    v, s = values.reshape(-1).view(torch.uint8), scales.reshape(-1).view(torch.uint8)
+    outs = [
+        (v[e * perm.n_values : (e + 1) * perm.n_values], s[e * perm.n_values // 32 : (e + 1) * perm.n_values // 32])
+        for e in range(experts)
+    ]
+    if v.numel() != experts * perm.n_values or s.numel() != experts * perm.n_values // 32:
         raise ValueError(
-            f"a permuted write of {perm.n_values} elements per expert got {x.numel()} elements, "
-            f"{values.numel() * values.element_size()} value and {scales.numel() * scales.element_size()} scale bytes"
+            f"a permuted write of {perm.n_values} bytes per expert got {v.numel()} value and {s.numel()} scale bytes "
+            f"for {experts} experts"
         )
-    if experts == 0 or perm.units == 0:
-        return
-    if int_round is None:
-        int_round = triton_interpreting()
-    per_program = 1 << max(0, (blocks_per_program // perm.blocks_per_unit).bit_length() - 1)  # a power of two
-    _permuted_kernel[(triton.cdiv(perm.units, per_program), experts)](
-        x.view(torch.int16),
-        values.view(torch.uint8),
-        scales.view(torch.uint8),
-        perm.unit_src,
-        perm.unit_out,
-        perm.unit_scale,
-        perm.block_pattern,
-        perm.chunk_pattern,
-        perm.local,
-        perm.scale_pattern,
-        bad,
-        perm.units,
-        perm.n_values,
-        R=per_program,
-        G=perm.blocks_per_unit,
-        C=perm.chunks_per_unit,
-        MIN_BYTE=min_byte,
-        INT_ROUND=int_round,
-        IS_BF16=x.dtype == torch.bfloat16,
-        num_warps=num_warps,
+    one = x.reshape(experts, -1)
+    group = PermutedGroup(
+        perm, list(one), outs, list(range(experts)), device=x.device, blocks_per_program=blocks_per_program, num_warps=num_warps
     )
+    group(list(one), min_byte, bad, int_round)
 
 
 class _LayoutTables:

@@ -26,6 +26,7 @@ engine keeps its own processing for that tensor.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -60,10 +61,100 @@ class BlockPermutation:
     def units(self) -> int:
         return self.unit_src.numel()
 
+    @property
+    def source_elements(self) -> int:
+        """Elements of one expert of the source these units read: ``n_values`` for a whole order,
+        fewer for the rows of one part (``rows``)."""
+        return self.units * self.blocks_per_unit * BLOCK
+
     def to(self, device: torch.device | str) -> BlockPermutation:
         """The same tables on ``device``."""
-        moved = {f: getattr(self, f).to(device) for f in self.__dataclass_fields__ if f != "n_values"}
+        moved = {f: getattr(self, f).to(device) for f in _TABLES}
         return BlockPermutation(self.n_values, **moved)
+
+    def to_msg(self) -> dict:
+        """The tables as msgpack-able data (little-endian int64 bytes; ``local`` int32)."""
+        return {"n_values": self.n_values, **{f: getattr(self, f).cpu().contiguous().numpy().tobytes() for f in _TABLES}}
+
+    @classmethod
+    def from_msg(cls, msg: dict) -> BlockPermutation:
+        """The tables of ``to_msg``, checked for the shapes a kernel relies on (a peer's data)."""
+        n = int(msg["n_values"])
+        tables = {f: torch.frombuffer(bytearray(msg[f]), dtype=torch.int32 if f == "local" else torch.int64) for f in _TABLES}
+        perm = cls(n, **tables)
+        problem = perm._problem()
+        if problem is not None:
+            raise ValueError(f"a learned MXFP8 order of {n} bytes is malformed: {problem}")
+        return perm
+
+    def _problem(self) -> str | None:
+        """Why these tables cannot describe whole units of a permutation of ``n_values`` bytes."""
+        g, c, u = self.blocks_per_unit, self.chunks_per_unit, self.units
+        if self.n_values <= 0 or self.n_values % CHUNK:
+            return f"{self.n_values} bytes are not whole {CHUNK}-byte chunks"
+        if g == 0 or c * CHUNK != g * BLOCK or g & (g - 1) or c * CHUNK > MAX_UNIT_BYTES:
+            return f"a unit of {g} blocks into {c} chunks is not one power-of-two tile of at most {MAX_UNIT_BYTES} bytes"
+        if u * g * BLOCK != self.n_values or self.unit_out.numel() != u or self.unit_scale.numel() != u:
+            return f"{u} units of {g * BLOCK} bytes do not make {self.n_values} bytes"
+        if self.local.numel() != c * CHUNK or self.scale_pattern.numel() != g:
+            return "the unit-local tables have the wrong length"
+        if bool((self.local < 0).any()) or bool((self.local >= g * BLOCK).any()):
+            return "a unit-local byte reads outside its unit"
+        if not torch.equal(torch.sort(self.index()).values, torch.arange(self.n_values)):
+            return "the tables do not describe a permutation of the bytes"
+        if not torch.equal(torch.sort(self.scale_index()).values, torch.arange(self.n_values // BLOCK)):
+            return "the scale tables do not describe a permutation of the scale bytes"
+        return None
+
+    @property
+    def digest(self) -> str:
+        """A name for these tables (sha256 of their bytes): what plans and their digests refer to."""
+        h = hashlib.sha256(str(self.n_values).encode())
+        for f in _TABLES:
+            h.update(getattr(self, f).cpu().contiguous().numpy().tobytes())
+        return h.hexdigest()[:24]
+
+    def index(self) -> torch.Tensor:
+        """The value gather (int64, on the CPU): output byte j reads checkpoint byte ``index()[j]``
+        (-1 where no unit here writes it: the other parts' bytes of a region)."""
+        src, dst = self.value_positions()
+        index = torch.full((self.n_values,), -1, dtype=torch.int64)
+        index[dst] = src
+        return index
+
+    def scale_index(self) -> torch.Tensor:
+        """The scale gather (int64, on the CPU): output scale byte j reads scale byte ``scale_index()[j]`` (-1: none)."""
+        src, dst = self.scale_positions()
+        index = torch.full((self.n_values // BLOCK,), -1, dtype=torch.int64)
+        index[dst] = src
+        return index
+
+    def rows(self, first: int, count: int, cols: int) -> BlockPermutation | str:
+        """The units that read rows [first, first + count) of a [N, ``cols``] region, their sources
+        shifted to that part's own first element: what a trainer tensor holding only those rows
+        writes (q of a fused qkv, one expert's gate of w13). The rule, as a string, where a unit
+        reads rows of both the part and another (then no part can write it alone)."""
+        lo, hi = first * cols, (first + count) * cols
+        if not (0 <= lo < hi <= self.n_values):
+            return f"rows {first}..{first + count} of {cols} elements lie outside the order's {self.n_values} bytes"
+        start = self.unit_src[:, None] + self.block_pattern[None, :]
+        inside = (start >= lo) & (start < hi)
+        whole = inside.all(dim=1)
+        if not bool((whole | ~inside.any(dim=1)).all()):
+            return f"a unit of the engine's order reads rows {first}..{first + count} and rows of another tensor"
+        keep = whole.nonzero().reshape(-1)
+        if keep.numel() * self.blocks_per_unit * BLOCK != hi - lo:
+            return f"the units inside rows {first}..{first + count} do not cover them"
+        return BlockPermutation(
+            n_values=self.n_values,
+            unit_src=(self.unit_src[keep] - lo).contiguous(),
+            unit_out=self.unit_out[keep].contiguous(),
+            unit_scale=self.unit_scale[keep].contiguous(),
+            block_pattern=self.block_pattern,
+            chunk_pattern=self.chunk_pattern,
+            local=self.local,
+            scale_pattern=self.scale_pattern,
+        )
 
     @classmethod
     def of(cls, value_index: torch.Tensor, scale_index: torch.Tensor) -> BlockPermutation | str:
@@ -124,25 +215,35 @@ class BlockPermutation:
             scale_pattern=scale_pattern,
         )
 
+    def value_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(source byte, output byte) of every value byte these units move, flat int64 on the CPU:
+        ``out[dst] = src_bytes[src]`` writes the order, ``src_bytes[src] = out[dst]`` reads it back."""
+        t = self.to("cpu")
+        local = t.local.to(torch.int64)
+        src = (t.unit_src[:, None] + t.block_pattern[None, :])[:, local // BLOCK] + local % BLOCK
+        dst = ((t.unit_out[:, None] + t.chunk_pattern[None, :])[:, :, None] + torch.arange(CHUNK)).reshape(self.units, -1)
+        return src.reshape(-1), dst.reshape(-1)
+
+    def scale_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(source scale byte, output scale byte) of every block these units move, flat int64 on the CPU."""
+        t = self.to("cpu")
+        src = (t.unit_src[:, None] + t.block_pattern[None, :]) // BLOCK
+        dst = t.unit_scale[:, None] + t.scale_pattern[None, :]
+        return src.reshape(-1), dst.reshape(-1)
+
     def write_reference(
         self, values: torch.Tensor, scales: torch.Tensor, out_values: torch.Tensor, out_scales: torch.Tensor
     ) -> None:
-        """Checkpoint-layout E4M3 ``values`` ([..., N, K]) and scale bytes into the learned order, by
-        plain indexing (the tests' oracle for the kernel): per expert, unit by unit."""
-        v = values.contiguous().view(torch.uint8).reshape(-1, self.n_values)
-        s = scales.contiguous().view(torch.uint8).reshape(v.shape[0], -1)
-        ov = out_values.view(torch.uint8).reshape(v.shape[0], -1)
-        os_ = out_scales.view(torch.uint8).reshape(v.shape[0], -1)
-        dev = v.device
-        src = (self.unit_src[:, None] + self.block_pattern[None, :]).to(dev)  # (units, G) first byte of each block
-        unit_bytes = (src[:, :, None] + torch.arange(BLOCK, device=dev)).reshape(self.units, -1)
-        dest = (self.unit_out[:, None] + self.chunk_pattern[None, :]).to(dev)
-        dest_bytes = (dest[:, :, None] + torch.arange(CHUNK, device=dev)).reshape(self.units, -1)
-        scale_dest = (self.unit_scale[:, None] + self.scale_pattern[None, :]).to(dev)
-        local = self.local.to(device=dev, dtype=torch.int64)
-        for e in range(v.shape[0]):
-            ov[e, dest_bytes.reshape(-1)] = v[e, unit_bytes][:, local].reshape(-1)
-            os_[e, scale_dest.reshape(-1)] = s[e, src.reshape(-1) // BLOCK]
+        """Checkpoint-layout E4M3 ``values`` ([..., rows, K], ``source_elements`` per expert) and their
+        scale bytes into the learned order (``n_values`` bytes per expert), by plain indexing: the
+        tests' oracle for the kernel, and the torch path."""
+        experts = values.numel() // self.source_elements
+        for part, out, (src, dst) in ((values, out_values, self.value_positions()), (scales, out_scales, self.scale_positions())):
+            rows = part.contiguous().view(torch.uint8).reshape(experts, -1)
+            out.view(torch.uint8).reshape(experts, -1)[:, dst.to(rows.device)] = rows[:, src.to(rows.device)]
+
+
+_TABLES = ("unit_src", "unit_out", "unit_scale", "block_pattern", "chunk_pattern", "local", "scale_pattern")
 
 
 def _units(chunk_of: torch.Tensor, block_of: torch.Tensor, chunks: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor] | str:

@@ -26,6 +26,13 @@ w13 rows, which the gated order interleaves, so each is written into the same re
 own rows; the plan keeps such parts on one byte range (``mxrefit/plan/regions.py``). Without a
 region the part is its own region (offset 0, its own rows), as before regions existed.
 
+A *learned order* (``order``, with the tables in ``permutation``): an engine that learned its
+kernel's MXFP8 byte order from its own processing (vLLM's Marlin on Hopper, ``engine/probed_layout.py``)
+advertises it as a ``BlockPermutation`` of one expert of the region, named by its digest, with
+``order = "<digest>:values"`` on the values' target and ``"<digest>:scales"`` on the scales'. A
+part of a region then writes the units that read its rows (``BlockPermutation.rows``). The
+tables travel once in the engine's tables message, not per target (``plan/build.py``).
+
 ``write_reference`` is the plain-indexing definition (the torch path and the tests' oracle).
 """
 
@@ -33,12 +40,15 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from mxrefit.formats.block_permutation import BlockPermutation
+
 ROW_ORDERS = ("trtllm", "trtllm-gated")
 TILINGS = ("128x4",)
+ORDER_ROLES = ("values", "scales")
 TILE_ROWS = 128
 TILE_COLS = 4
 SHUFFLE_BLOCK = 32
@@ -52,9 +62,17 @@ class KernelLayout:
     tiles: str | None = None
     row_offset: int = 0
     region_rows: int | None = None  # rows per expert of the shared region; None: the part is its own region
+    order: str | None = None  # a learned order: "<digest>:values" or "<digest>:scales"
+    permutation: BlockPermutation | None = field(default=None, compare=False, repr=False)  # its tables (one expert)
 
     def __post_init__(self) -> None:
-        if self.rows is None and self.tiles is None:
+        if self.order is not None:
+            digest, _, role = self.order.rpartition(":")
+            if not digest or role not in ORDER_ROLES or self.rows is not None or self.tiles is not None:
+                raise ValueError(f"a learned order is '<digest>:values' or '<digest>:scales' alone, got {self!r}")
+            if self.permutation is not None and self.permutation.digest != digest:
+                raise ValueError(f"learned order {digest} was given the tables of {self.permutation.digest}")
+        elif self.rows is None and self.tiles is None:
             raise ValueError("a kernel layout names a row order, a tiling, or both (None means the checkpoint layout)")
         if self.rows is not None and self.rows not in ROW_ORDERS:
             raise ValueError(f"unknown kernel row order {self.rows!r}; known: {ROW_ORDERS}")
@@ -66,21 +84,43 @@ class KernelLayout:
             raise ValueError(f"row offset {self.row_offset} is not a row of a region of {self.region_rows} rows")
 
     def __str__(self) -> str:
-        text = "+".join(f"{k}={v}" for k, v in (("rows", self.rows), ("tiles", self.tiles)) if v is not None)
+        order = None if self.order is None else f"learned {self.order[:8]}..{self.order.rpartition(':')[2]}"
+        text = "+".join(f"{k}={v}" for k, v in (("rows", self.rows), ("tiles", self.tiles), ("order", order)) if v is not None)
         return text if self.region_rows is None else f"{text}+region=rows {self.row_offset}.. of {self.region_rows}"
 
     def to_msg(self) -> list:
         """``[rows, tiles]``, and ``row_offset, region_rows`` only for a shared region (so tables
         without regions keep the wire form and the plan digest they had)."""
         head: list = [self.rows or "", self.tiles or ""]
+        if self.order is not None:  # and the order's name; its tables travel beside the targets
+            return [*head, self.row_offset, self.region_rows or 0, self.order]
         return head if self.region_rows is None else [*head, self.row_offset, self.region_rows]
 
     @classmethod
-    def from_msg(cls, msg: list) -> KernelLayout:
+    def from_msg(cls, msg: list, orders: dict[str, BlockPermutation] | None = None) -> KernelLayout:
+        """The layout of ``to_msg``; a learned order takes its tables from ``orders`` (by digest)."""
         rows, tiles, *region = msg
+        if len(region) == 3:
+            order = str(region[2])
+            perm = (orders or {}).get(order.rpartition(":")[0])
+            if perm is None:
+                raise ValueError(f"learned order {order[:40]!r} without its tables")
+            return cls(None, None, int(region[0]), int(region[1]) or None, order, perm)
         if region:
             return cls(str(rows) or None, str(tiles) or None, int(region[0]), int(region[1]))
         return cls(str(rows) or None, str(tiles) or None)
+
+    @property
+    def order_role(self) -> str | None:
+        """ "values" or "scales" for a learned order, else None."""
+        return None if self.order is None else self.order.rpartition(":")[2]
+
+    def part_order(self, shape: tuple[int, ...]) -> BlockPermutation | str:
+        """The learned order's units a part of ``shape`` (its values' or scales' shape) writes: those
+        that read its rows of the region (``BlockPermutation.rows``), or the rule it breaks."""
+        if self.permutation is None:
+            return f"learned order {self.order} has no tables"
+        return _part_order(self, shape[-2], shape[-1] * (32 if self.order_role == "scales" else 1))
 
     @property
     def shared(self) -> bool:
@@ -174,12 +214,36 @@ def layout_problem(layout: KernelLayout, role: str, shape: tuple[int, ...]) -> s
             f"the {role} have {m} rows per expert from row {layout.row_offset}, past the end of their "
             f"region of {layout.region(m)} rows"
         )
+    if layout.order is not None:
+        perm = layout.part_order(shape)
+        if isinstance(perm, str):
+            return perm
+        cols = shape[-1] * (32 if layout.order_role == "scales" else 1)
+        if layout.region(m) * cols != perm.n_values:
+            return f"the learned order holds {perm.n_values} bytes per expert, the {role}' region {layout.region(m)} x {cols}"
+        return None
     if layout.rows is not None and layout.region(m) % SHUFFLE_BLOCK:
         return (
             f"row order {layout.rows!r} permutes each expert's rows in blocks of {SHUFFLE_BLOCK}; "
             f"the {role} have {layout.region(m)} rows per expert{' in their region' if layout.shared else ''}"
         )
     return None
+
+
+@functools.lru_cache(maxsize=256)
+def _part_order(layout: KernelLayout, m: int, cols: int) -> BlockPermutation | str:
+    """``layout.permutation``'s units for rows [row_offset, row_offset + m) of ``cols`` values each (cached:
+    the key holds the order's digest, which names its tables)."""
+    assert layout.permutation is not None
+    return layout.permutation.rows(layout.row_offset, m, cols)
+
+
+def _order_positions(layout: KernelLayout, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(part byte, region byte) pairs of one expert of a part in a learned order."""
+    perm = layout.part_order(shape)
+    if isinstance(perm, str):
+        raise ValueError(f"cannot write learned order {layout}: {perm}")
+    return perm.value_positions() if layout.order_role == "values" else perm.scale_positions()
 
 
 @functools.lru_cache(maxsize=64)
@@ -197,6 +261,10 @@ def write_reference(layout: KernelLayout, part: torch.Tensor, out: torch.Tensor)
     *lead, m, c = part.shape
     rows = part.contiguous().view(torch.uint8).reshape(math.prod(lead), m, -1)
     e, cb = rows.shape[0], rows.shape[2]
+    if layout.order is not None:
+        src, dst = _order_positions(layout, tuple(part.shape))
+        out.view(e, -1)[:, dst.to(rows.device)] = rows.reshape(e, -1)[:, src.to(rows.device)]
+        return
     if layout.tiles is None:
         out.view(e, layout.region(m), cb).index_copy_(1, layout.kernel_rows(m).to(rows.device), rows)
         return
@@ -211,6 +279,11 @@ def read_reference(layout: KernelLayout, stored: torch.Tensor, shape: tuple[int,
     processing the checkpoint bytes a trainer wrote in the kernel layout (a check, never the refit path)."""
     *lead, m, c = shape
     e, cb = math.prod(lead), c * dtype.itemsize
+    if layout.order is not None:
+        src, dst = _order_positions(layout, tuple(shape))
+        part = torch.empty(e, m * cb, dtype=torch.uint8, device=stored.device)
+        part[:, src.to(stored.device)] = stored.view(e, -1)[:, dst.to(stored.device)]
+        return part.view(dtype).view(shape)
     if layout.tiles is None:
         rows = stored.view(e, layout.region(m), cb)[:, layout.kernel_rows(m).to(stored.device)]
     else:

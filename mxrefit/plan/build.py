@@ -25,6 +25,7 @@ import torch
 from mxrefit.devices import ALIGN, align
 from mxrefit.errors import MxrefitError
 from mxrefit.formats import get_format
+from mxrefit.formats.block_permutation import BlockPermutation
 from mxrefit.formats.kernel_layout import KernelLayout
 from mxrefit.plan.dtypes import dtype_from_name, dtype_name
 from mxrefit.plan.regions import region_key, region_problems, shared_regions, spans
@@ -287,10 +288,21 @@ def sources_from_msg(msg: list) -> list[SourceSpec]:
 
 
 def tables_to_msg(params: dict[str, ParamSpec], destinations: dict[str, Destination]) -> dict:
-    return {
+    """The tables as msgpack-able data; learned orders' tables once each under ``orders`` (only
+    where there are some, so other engines' messages keep their form)."""
+    msg: dict = {
         "params": [[p.name, list(p.shape), dtype_name(p.dtype)] for p in params.values()],
         "destinations": [[d.name, d.format, [_target_to_msg(t) for t in d.targets]] for d in destinations.values()],
     }
+    orders = {
+        t.layout.order.rpartition(":")[0]: t.layout.permutation
+        for d in destinations.values()
+        for t in d.targets
+        if t.layout is not None and t.layout.order is not None and t.layout.permutation is not None
+    }
+    if orders:
+        msg["orders"] = [[digest, perm.to_msg()] for digest, perm in orders.items()]
+    return msg
 
 
 def _target_to_msg(t: Target) -> list:
@@ -299,12 +311,20 @@ def _target_to_msg(t: Target) -> list:
     return row if t.layout is None else [*row, t.layout.to_msg()]
 
 
-def _target_from_msg(row: list) -> Target:
+def _target_from_msg(row: list, orders: dict[str, BlockPermutation]) -> Target:
     p, off, shape, dt, *layout = row
-    return Target(p, int(off), tuple(shape), dtype_from_name(dt), KernelLayout.from_msg(layout[0]) if layout else None)
+    return Target(p, int(off), tuple(shape), dtype_from_name(dt), KernelLayout.from_msg(layout[0], orders) if layout else None)
 
 
 def tables_from_msg(msg: dict) -> tuple[dict[str, ParamSpec], dict[str, Destination]]:
     params = {n: ParamSpec(n, tuple(shape), dtype_from_name(dt)) for n, shape, dt in msg["params"]}
-    destinations = {n: Destination(n, fmt, tuple(_target_from_msg(t) for t in tgts)) for n, fmt, tgts in msg["destinations"]}
+    orders = {}
+    for digest, tables in msg.get("orders") or ():
+        perm = BlockPermutation.from_msg(tables)
+        if perm.digest != digest:
+            raise ValueError(f"learned order {str(digest)[:40]!r} came with the tables of {perm.digest}")
+        orders[digest] = perm
+    destinations = {
+        n: Destination(n, fmt, tuple(_target_from_msg(t, orders) for t in tgts)) for n, fmt, tgts in msg["destinations"]
+    }
     return params, destinations

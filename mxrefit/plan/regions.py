@@ -45,7 +45,7 @@ def shared_regions(targets: Mapping[int, Sequence[Target]]) -> dict[RegionKey, l
 def _describes(t: Target) -> tuple:
     """What every writer of a region must say alike: all of its target but the rows it holds."""
     lay = t.layout
-    return (lay.rows, lay.tiles, lay.region_rows) if lay else None, t.dtype, t.shape[:-2], t.shape[-1], t.nbytes
+    return (lay.rows, lay.tiles, lay.region_rows, lay.order) if lay else None, t.dtype, t.shape[:-2], t.shape[-1], t.nbytes
 
 
 def _rows(t: Target) -> tuple[int, int]:

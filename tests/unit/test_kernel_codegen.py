@@ -28,8 +28,8 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from mxrefit.formats import _finite_check_triton, _fp8_block_triton, _mxfp8_triton, _passthrough_triton  # noqa: E402
 
-# the permuted write takes its tensors directly (typed pointers and scalars), not from address tables
-TYPED = {"src": "*i16", "values": "*u8", "scales": "*u8", "local": "*i32", "units": "i32", "per_expert": "i64"}
+# the permuted write's own types: its unit map is int32, its unit count a scalar
+TYPED = {"local": "*i32", "units": "i32"}
 I32 = {"prog_tensor", "prog_block", "prog_tile", "prog_chunk", "prog_start", "caller_index", "bad_ptr", "flag", "tiled_of"}
 FLOOR = _fp8_block_triton._AMAX_FLOOR_BITS
 MASK = 0x7F80  # BF16 exponent
