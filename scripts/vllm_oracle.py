@@ -453,11 +453,12 @@ def cmd_run(args) -> int:
                 "changed": now["tokens"] != previous["tokens"] or now != previous,
                 "sleep": slept,
                 "learned_layouts": learned,
+                "replanned": bool(getattr(report, "replanned", False)),  # learned orders advertised: the trainer planned again
             }
             result["steps"].append(entry)
             log(
-                f"{tag}: refit {step} {entry['refit_ms']:.1f} ms ({report.transport}, {report.bytes / 1e6:.2f} MB), "
-                f"tokens {now['tokens'][0]}"
+                f"{tag}: refit {step} {entry['refit_ms']:.1f} ms ({report.transport}, {report.bytes / 1e6:.2f} MB)"
+                f"{', planned again' if entry['replanned'] else ''}, tokens {now['tokens'][0]}"
             )
             if learned and step == args.refits:
                 log(f"{tag}: learned layouts {learned}")

@@ -34,6 +34,7 @@ import torch
 BLOCK = 32  # MXFP8 block: elements per scale, and E4M3 bytes of one block of one row
 CHUNK = 64  # output bytes written as one run (a 64-byte line of the engine's tile)
 MAX_UNIT_BYTES = 1 << 13  # one program's output: 8 KB of E4M3 (256 blocks) at most
+MAX_TABLE_BYTES = 1 << 20  # a table on the wire: the control channel's largest binary field (transport/protocol.py)
 
 
 @dataclass(frozen=True)
@@ -73,14 +74,26 @@ class BlockPermutation:
         return BlockPermutation(self.n_values, **moved)
 
     def to_msg(self) -> dict:
-        """The tables as msgpack-able data (little-endian int64 bytes; ``local`` int32)."""
-        return {"n_values": self.n_values, **{f: getattr(self, f).cpu().contiguous().numpy().tobytes() for f in _TABLES}}
+        """The tables as msgpack-able data: int32 bytes (every offset is within one expert, whose
+        bytes ``of`` keeps below 2 GiB); raises ValueError past ``MAX_TABLE_BYTES`` a table."""
+        msg: dict = {"n_values": self.n_values}
+        for f in _TABLES:
+            data = getattr(self, f).cpu().to(torch.int32).contiguous().numpy().tobytes()
+            if len(data) > MAX_TABLE_BYTES:
+                raise ValueError(
+                    f"the order's {f} table is {len(data)} bytes, more than one message field takes ({MAX_TABLE_BYTES})"
+                )
+            msg[f] = data
+        return msg
 
     @classmethod
     def from_msg(cls, msg: dict) -> BlockPermutation:
         """The tables of ``to_msg``, checked for the shapes a kernel relies on (a peer's data)."""
         n = int(msg["n_values"])
-        tables = {f: torch.frombuffer(bytearray(msg[f]), dtype=torch.int32 if f == "local" else torch.int64) for f in _TABLES}
+        tables = {
+            f: torch.frombuffer(bytearray(msg[f]), dtype=torch.int32).to(torch.int32 if f == "local" else torch.int64)
+            for f in _TABLES
+        }
         perm = cls(n, **tables)
         problem = perm._problem()
         if problem is not None:
@@ -163,6 +176,8 @@ class BlockPermutation:
         idx = value_index.to(torch.int64).cpu()
         sidx = scale_index.to(torch.int64).cpu()
         n = idx.numel()
+        if n >= 2**31:
+            return f"{n} value bytes per expert: offsets past 2 GiB do not fit the tables' int32"
         if n == 0 or n % CHUNK:
             return f"{n} value bytes are not whole {CHUNK}-byte chunks (nor, then, whole {BLOCK}-byte blocks)"
         if not torch.equal(torch.bincount(idx, minlength=n), torch.ones(n, dtype=torch.int64)):

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -48,8 +49,10 @@ import torch
 
 from mxrefit.devices import resolve
 from mxrefit.engine.base import Engine
-from mxrefit.engine.probed_layout import IdentityVerdict, LayoutCache, learn_identity, tensor_signature
+from mxrefit.engine.probed_layout import IdentityVerdict, LayoutCache, ProbedLayout, learn_identity, tensor_signature
 from mxrefit.engine.staging import StagedUnit, StagingPool
+from mxrefit.formats import get_format
+from mxrefit.formats.block_permutation import BlockPermutation
 from mxrefit.formats.kernel_layout import KernelLayout, read_reference
 from mxrefit.integrations.vllm.compat import (
     TESTED_VLLM,
@@ -72,6 +75,7 @@ from mxrefit.integrations.vllm.layout import (
     vllm_shards,
 )
 from mxrefit.integrations.vllm.trtllm import MoeLayout, check_moe_alignment, moe_direct_targets, moe_row_order
+from mxrefit.plan.build import SourceSpec, build_plan
 from mxrefit.plan.shapes import EXPERT_LAYOUTS, ModelShape
 from mxrefit.plan.types import Destination, ParamSpec, Shard, Target
 from mxrefit.transport.bytesum import tensor_sha256
@@ -547,6 +551,17 @@ def _kernel_tensors(module: torch.nn.Module, staged: dict[str, torch.Tensor]) ->
     return {a: _param(module, a).data for a in staged}
 
 
+def _apply_written(
+    layout: ProbedLayout, staged: dict[str, torch.Tensor], kernel: dict[str, torch.Tensor], written: set[str]
+) -> None:
+    """The learned gathers, where the trainer wrote a staged tensor in its kernel's order a plain copy."""
+    for attr, g in layout.gathers.items():
+        if g.source in written:
+            kernel[attr].reshape(-1).view(torch.uint8).copy_(staged[g.source].reshape(-1).view(torch.uint8))
+        else:
+            g(staged[g.source], kernel[attr])
+
+
 def _processing_key(module: torch.nn.Module, staged: dict[str, torch.Tensor], *backend: object) -> tuple:
     """What a module's processing depends on besides its bytes, for caching what was learned of it:
     the module and quant-method classes, the caller's ``backend`` parts, the default dtype (scales
@@ -652,6 +667,13 @@ class VllmEngine(Engine):
         self._learn_unquantized = self._device.type == "cuda"
         self._identities: dict[tuple, IdentityVerdict] = {}  # per expert signature, once decided
         self.learned_layouts: dict[str, str] = {}  # per signature: "learned (...)" or "refused: why"
+        # the trainer writes the learned Marlin orders itself (``_advertise_orders``) unless MXREFIT_WRITE_ORDER=0
+        self._write_orders = self._layouts is not None and os.environ.get("MXREFIT_WRITE_ORDER", "1") != "0"
+        self._module_keys: dict[str, tuple] = {}  # module name -> its processing key, once learned
+        self._orders: dict[tuple, dict[str, BlockPermutation]] = {}  # per key: staged value attr -> its order
+        self._advertised: set[tuple] = set()  # keys whose orders the tables carry
+        self._tables_version = 0
+        self._written: dict[str, KernelLayout] = {}  # params the adopted plan writes in a learned order
         self._checkpoint_targets: dict[str, list[tuple[str, Target]]] = {}
         self._checkpoint: dict[str, torch.Tensor] | None = None
         self._refused: str | None = None
@@ -687,7 +709,8 @@ class VllmEngine(Engine):
             )
         self._params = params
         self._destinations = dests
-        self._laid_out: dict[str, KernelLayout] = {} if self.slow_path else self._advertise_trtllm_layouts()
+        self._trtllm_laid_out: dict[str, KernelLayout] = {} if self.slow_path else self._advertise_trtllm_layouts()
+        self._laid_out = dict(self._trtllm_laid_out)
         self.units = self._units(live)
         self.pool = StagingPool(params, self.units, self._device)
         self._post_load_hooks = self._hooks()
@@ -724,7 +747,9 @@ class VllmEngine(Engine):
         self.slow_path = []
         self._params = params
         self._destinations = dests
-        self._laid_out = {}  # a rank's slices of permuted rows are not rows of the checkpoint: no kernel layouts
+        self._trtllm_laid_out = {}  # a rank's slices of permuted rows are not rows of the checkpoint: no kernel layouts
+        self._laid_out = {}
+        self._write_orders = False
         self._shards = shards
         self.units = self._units(live)
         self.pool = StagingPool({n: self._local_spec(n) for n in params}, self.units, self._device)
@@ -843,7 +868,7 @@ class VllmEngine(Engine):
         if _trtllm_moe(module):
             self._trtllm_fast_path(module, staged, unit.attrs)
         elif self._layouts is not None and self._probed(module, staged):
-            self._learned_layout(self._layouts, module, staged)
+            self._learned_layout(self._layouts, unit, staged)
         elif self._layouts is not None and self._learn_unquantized and _triton_unquantized_experts(module):
             self._identity(module, staged)
         elif _needs_vllm_processing(module):
@@ -863,13 +888,21 @@ class VllmEngine(Engine):
             return True
         return self._learn_unquantized and _unquantized_linear(module) and _nbytes(staged) <= PROBE_UNQUANTIZED_BYTES
 
-    def _learned_layout(self, layouts: LayoutCache, module: torch.nn.Module, staged: dict[str, torch.Tensor]) -> None:
+    def _learned_layout(self, layouts: LayoutCache, unit: _ModuleUnit, staged: dict[str, torch.Tensor]) -> None:
         """Marlin MXFP8 processing as a byte gather learned from vLLM's own processing of the first
-        module of each signature (``engine/probed_layout.py``); a signature it refuses keeps vLLM's."""
+        module of each signature (``engine/probed_layout.py``); a signature it refuses keeps vLLM's.
+        Where the adopted plan has the trainer write a learned order (``_advertise_orders``), the
+        staged bytes are the kernel's already: a plain copy."""
+        module = unit.module
         qm = module.quant_method
         kernel = functools.partial(_kernel_tensors, module, staged)
         key = _processing_key(module, staged, type(getattr(qm, "kernel", None)), str(getattr(qm, "mxfp8_backend", "")))
-        new = key not in layouts.entries
+        known = layouts.entries.get(key)
+        if isinstance(known, ProbedLayout) and self._written:
+            written = {a for a, name in unit.attrs.items() if name in self._written}
+            if written:
+                _apply_written(known, staged, kernel(), written)
+                return
         experts = staged["w13_weight"].shape[0] if "w13_weight" in staged else 1
         result = layouts.run(
             key,
@@ -879,7 +912,9 @@ class VllmEngine(Engine):
             experts=experts,
             watch=lambda: _state_beside_params(module, staged),
         )
-        if new:
+        if self._write_orders and _marlin_mxfp8(module) and isinstance(result, ProbedLayout):
+            self._module_keys[unit.name] = key
+        if known is None:
             what = _described(module, staged)
             if isinstance(result, str):
                 self.learned_layouts[what] = f"refused: {result}"
@@ -888,6 +923,102 @@ class VllmEngine(Engine):
                 kernels = ", ".join(f"{a} {k}" for a, k in result.kernels.items())
                 self.learned_layouts[what] = f"learned ({result.index_bytes / 2**20:.1f} MiB of index; {kernels})"
                 log.info("mxrefit: learned the layout of %s (%.1f MiB of index; %s)", what, result.index_bytes / 2**20, kernels)
+                if key in self._module_keys.values():
+                    self._learn_orders(key, result, what)
+
+    def _learn_orders(self, key: tuple, layout: ProbedLayout, what: str) -> None:
+        """Each learned value gather and its scales' as units a trainer's quantize kernel writes
+        (``BlockPermutation``); kept for ``_advertise_orders`` after this refit. A pair that is not
+        whole units keeps the engine's gather, named in ``learned_layouts``."""
+        orders: dict[str, BlockPermutation] = {}
+        refused: list[str] = []
+        for attr, g in layout.gathers.items():
+            sg = layout.gathers.get(f"{attr}_scale")
+            if attr.endswith("_scale") or sg is None:
+                continue
+            if g.identity or sg.identity or g.source != attr or sg.source != f"{attr}_scale":
+                refused.append(f"{attr}: not a permutation of its own values and scales")
+                continue
+            perm = BlockPermutation.of(g.index, sg.index)
+            if isinstance(perm, str):
+                refused.append(f"{attr}: {perm}")
+            elif not torch.equal(perm.index(), g.index.cpu().to(torch.int64)):
+                refused.append(f"{attr}: its units do not reproduce the learned gather")
+            else:
+                try:
+                    perm.to_msg()  # the tables must fit the tables message
+                except ValueError as err:
+                    refused.append(f"{attr}: {err}")
+                    continue
+                orders[attr] = perm
+        if orders:
+            self._orders[key] = orders
+        note = f"; the trainer writes {', '.join(orders)}" if orders else ""
+        note += f"; the engine gathers {'; '.join(refused)}" if refused else ""
+        self.learned_layouts[what] += note
+
+    def _order_target(self, t: Target, perm: BlockPermutation, role: str) -> Target:
+        """``t`` (a checkpoint-layout row range of one expert, or whole experts) as its rows of the
+        expert's region in the learned order."""
+        spec = self._params[t.param]
+        rows, cols = spec.shape[-2], spec.shape[-1] * spec.dtype.itemsize
+        expert, rem = divmod(t.offset, rows * cols)
+        first, part = divmod(rem, cols)
+        m = t.shape[-2]
+        if part or first + m > rows or (math.prod(t.shape[:-2]) > 1 and m != rows):
+            raise ValueError(f"{t.param}: bytes {t.offset}.. of shape {t.shape} are not rows of one expert")
+        layout = KernelLayout(
+            row_offset=first, region_rows=rows if m != rows else None, order=f"{perm.digest}:{role}", permutation=perm
+        )
+        return Target(t.param, expert * rows * cols, t.shape, t.dtype, layout)
+
+    def _advertise_orders(self) -> None:
+        """Put the learned orders on the targets of every param they cover (all of its writers, its
+        scales' too), if the plan a trainer would build from the new tables is sound; bump the
+        tables' version so the receiver re-reads them and the trainer plans again. What cannot be
+        advertised keeps the engine's gather, named in the log."""
+        by_param: dict[str, BlockPermutation] = {}
+        for unit in self._module_units:
+            orders = self._orders.get(self._module_keys.get(unit.name, ()), {})
+            for attr, perm in orders.items():
+                by_param[unit.attrs[attr]] = by_param[unit.attrs[f"{attr}_scale"]] = perm
+        self._advertised |= set(self._orders)
+        dests = dict(self._destinations)
+        bad: set[str] = set()
+        fmt = get_format("mxfp8")
+        for name, d in self._destinations.items():
+            params = {t.param for t in d.targets}
+            if not params & by_param.keys():
+                continue
+            try:
+                if d.format != "mxfp8" or len(d.targets) != 2 or not params <= by_param.keys():
+                    raise ValueError(f"{name}: not an MXFP8 tensor whose values and scales both have learned orders")
+                tv, ts = d.targets
+                if tv.layout is not None or ts.layout is not None or by_param[tv.param] is not by_param[ts.param]:
+                    raise ValueError(f"{name}: already laid out, or values and scales of different orders")
+                new = (self._order_target(tv, by_param[tv.param], "values"), self._order_target(ts, by_param[ts.param], "scales"))
+                fmt.check_layouts(name, fmt.parts(tv.shape, tv.dtype), [t.layout for t in new])
+                dests[name] = Destination(name, d.format, new)
+            except ValueError as err:
+                bad |= params
+                log.warning("mxrefit: %s keeps the engine's gather: %s", sorted(params), err)
+        for name, d in self._destinations.items():
+            if {t.param for t in d.targets} & bad:
+                dests[name] = d
+        if dests == self._destinations:
+            return
+        try:
+            build_plan([SourceSpec(n, d.targets[0].shape, torch.bfloat16) for n, d in dests.items()], self._params, dests)
+        except ValueError as err:  # PlanMismatch included
+            log.warning("mxrefit: the learned orders stay with the engine: a plan of them fails (%s)", err)
+            return
+        self._destinations = dests
+        self._tables_version += 1
+        log.info(
+            "mxrefit: the trainer may write %d params in their learned Marlin orders (tables version %d); it plans again",
+            sum(1 for p in by_param if p not in bad),
+            self._tables_version,
+        )
 
     def _identity(self, module: torch.nn.Module, staged: dict[str, torch.Tensor]) -> None:
         """Unquantized MoE experts whose processing keeps the bytes (vLLM 0.26's Triton backend on
@@ -969,7 +1100,23 @@ class VllmEngine(Engine):
         return dict(self._destinations)
 
     def prepare(self, plan) -> None:
+        """Place the staging, and note which params this plan's trainer writes in a learned order
+        (those get a plain copy; with ``verify`` the first refit under such a plan is checked again)."""
+        written = {
+            p.target.param: KernelLayout(order=p.target.layout.order, permutation=p.target.layout.permutation)
+            for b in plan.buckets
+            for p in b.parts
+            if p.target.layout is not None and p.target.layout.order is not None
+        }
+        if written.keys() != self._written.keys():
+            self._verified = False
+        self._written = written
+        self._laid_out = {**self._trtllm_laid_out, **written}
         self.pool.place(plan)
+
+    @property
+    def tables_version(self) -> int:
+        return self._tables_version
 
     def storage(self, param: str) -> torch.Tensor:
         return self.pool.storage(param)
@@ -1030,6 +1177,8 @@ class VllmEngine(Engine):
             if self._checkpoint is not None:
                 checkpoint, self._checkpoint = self._checkpoint, None
                 self._check_against_vllm_loader(checkpoint)
+        if self._write_orders and set(self._orders) - self._advertised:
+            self._advertise_orders()
 
     def _check_against_vllm_loader(self, checkpoint: dict[str, torch.Tensor]) -> None:
         """The first refit's kernel bytes must equal what vLLM's own loader makes of the same
