@@ -17,7 +17,8 @@ from mxrefit.plan.types import Destination, ParamSpec, Shard
 class Engine(ABC):
     """The receiving side's model: tables once, storage views once, hooks as bytes land.
 
-    Call order on the engine side: ``params``/``destinations`` (once), then per adopted plan
+    Call order on the engine side: ``params``/``destinations`` (at set-up, and again after a
+    refit whose ``after_refit`` bumped ``tables_version``), then per adopted plan
     ``prepare(plan)`` followed by ``storage`` for every param (views are built once and kept),
     then per refit ``after_bucket(i)`` after bucket *i*'s bytes landed and ``after_refit`` once
     all did. Engines whose parameters are written as they are need none of the hooks; engines
@@ -44,6 +45,18 @@ class Engine(ABC):
 
     def after_refit(self, version: int) -> None:
         """Post-load processing once every byte of a refit has landed (layout shuffles, ...)."""
+
+    @property
+    def tables_version(self) -> int:
+        """Bumped by an engine whose ``params``/``destinations`` changed after set-up (e.g. a kernel
+        layout learned at a refit, which it can now advertise on its targets); 0 by default.
+
+        The receiver re-reads the tables after each commit when this changed and tells the trainer,
+        which plans again before its next refit. Until a new plan is adopted the engine must keep
+        serving the adopted one (decide from the plan given to ``prepare``, not from the current
+        tables), so a trainer that does not plan again is never served wrong bytes.
+        """
+        return 0
 
     def shards(self) -> dict[str, Shard]:
         """Parameters this rank holds only a slice of (``storage`` is then the slice's bytes)."""

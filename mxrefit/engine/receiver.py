@@ -11,6 +11,12 @@ passed its integrity sums): a failed refit then leaves the previous version serv
 ``ready``. Commit writes in place, bucket by bucket with the engine's usual processing, so
 parameter addresses (and captured CUDA graphs) stay valid. Its price is the shadow's memory
 (the engine's whole storage) and one more copy per refit.
+
+Tables that change: an engine may learn at a refit what its kernels read (a kernel layout) and
+then advertise it (``Engine.tables_version``). After each commit the receiver re-reads the tables
+if that version moved, and the ``tables`` and ``committed`` replies carry it (``"tables"``), so
+the trainer plans again before its next refit. The adopted plan stays adopted meanwhile: its
+views are built, and the engine serves it until a new plan replaces it.
 """
 
 from __future__ import annotations
@@ -125,6 +131,7 @@ class Receiver:
         self.state = "ready"
         self.last_error: str | None = None
         self.history: deque[ReceiveStats] = deque(maxlen=HISTORY_REFITS)  # bounded: refits run for days
+        self._tables_version = engine.tables_version
         self._params = engine.params()
         self._destinations = engine.destinations()
         self._shards = engine.shards()
@@ -208,6 +215,7 @@ class Receiver:
                 **self.status(),
                 "exportable": exportable,
                 "device": self.engine.device.type,
+                "tables": self._tables_version,
             }
         if op == Op.PLAN:
             return self._adopt_plan(msg)
@@ -404,6 +412,7 @@ class Receiver:
                     _engine_step("after_refit", self.engine.after_refit, version)
                     stats.after_refit_s = time.perf_counter() - t
                     self.version, self.state, self.last_error = version, "ready", None
+                    self._reread_tables(version)
                     stats.wall_s = time.perf_counter() - start
                     self.history.append(stats)
                     self._reply(
@@ -414,6 +423,7 @@ class Receiver:
                             "apply_s": stats.apply_s,
                             "process_s": stats.process_s,
                             "after_refit_s": stats.after_refit_s,
+                            "tables": self._tables_version,
                         }
                     )
                     return
@@ -435,6 +445,28 @@ class Receiver:
             log.error("refit to version %d: %s", version, err, exc_info=err.__cause__)
             self._fail(f"refit to version {version}: {err}")
             self._reply({"op": Op.ERROR, "kind": "engine", "problems": [self.last_error], **self.status()})
+
+    def _reread_tables(self, version: int) -> None:
+        """After a commit: take the engine's new tables if it says they changed (``tables_version``).
+
+        The adopted plan stays adopted (its views are built; the engine serves it); the next plan is
+        checked against the new tables. Tables that fail their checks are not taken: the refit did
+        commit, and the old tables still describe the adopted plan.
+        """
+        try:
+            new = self.engine.tables_version
+            if new == self._tables_version:
+                return
+            params, destinations, shards = self.engine.params(), self.engine.destinations(), self.engine.shards()
+            check_shards(params, destinations, shards)
+        except Exception:
+            log.exception("reading the engine's tables after refit %d failed; keeping tables %d", version, self._tables_version)
+            return
+        self._params, self._destinations, self._shards = params, destinations, shards
+        log.info(
+            "engine tables changed after refit %d (version %d -> %d); the next plan uses them", version, self._tables_version, new
+        )
+        self._tables_version = new
 
     def _reply(self, msg: dict) -> bool:
         """Answer the trainer; False if it already went away (logged, never fatal here).

@@ -132,7 +132,11 @@ class BroadcastSender(Sender):
         self._require_every_rank()
         if self.plan_ is None and isinstance(tensors, Mapping):
             self.plan([SourceSpec(n, tuple(t.shape), t.dtype) for n, t in tensors.items()])
-        elif self._needs_plan and self.plan_ is not None:
+        elif self._needs_plan and self.plan_ is not None and not self._plan_stale:
+            # a stale plan (tables changed) is planned again by Sender.refit, which reports it. The
+            # merged "committed" carries the first rank's tables version; ranks that then describe
+            # different tables fail at connect (tensor-parallel ranks never change theirs: a slice of
+            # permuted rows is no row range of the checkpoint)
             self.plan(self.plan_.sources)
         self._recovered = None
         try:

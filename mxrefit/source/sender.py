@@ -25,6 +25,11 @@ engine's staging keeps each layer's region that bucket longer, and only for it).
 encoding, so the whole model is never materialized. A stream cannot be screened before the
 first write; a bad tensor then aborts the refit, which leaves the engine ``partial`` (its
 previous version named) until the next complete refit.
+
+The engine's tables may change after a refit (a kernel layout it learned there, now advertised on
+its targets; ``Engine.tables_version``): its "committed" reply then carries a new ``tables``
+version, and the next ``refit`` reads the tables again and plans the same sources again before
+anything else (``RefitReport.replanned``). Until then the engine serves the plan it adopted.
 """
 
 from __future__ import annotations
@@ -137,6 +142,7 @@ class RefitReport:
     engine_after_refit_s: float = 0.0
     bytes: int = 0
     buckets: int = 0
+    replanned: bool = False  # the engine's tables changed after an earlier refit: this one planned again first
     extra: dict = field(default_factory=dict)
 
 
@@ -234,6 +240,10 @@ class Sender:
         self.engine_status: dict = {}
         self._engine: EngineInfo | None = None
         self._tables: tuple[dict[str, ParamSpec], dict[str, Destination]] | None = None
+        self._tables_version = 0  # the engine's tables version ``_tables`` were read at
+        self._engine_tables = 0  # the latest version the engine reported (hello or commit)
+        self._plan_tables = 0  # the version ``plan_`` was built from
+        self._tables_changed_at: int | None = None  # the refit whose commit reported the latest change
         self._plan_id: str | None = None
         self._adoptions: list[str] = []
         self._last_sources: list[torch.Tensor] | None = None
@@ -243,6 +253,17 @@ class Sender:
         self._sums: list[ByteSum] = []
         self._finite: FiniteCheck | None = None
         self._bucket_checks: dict[int, FiniteCheck] = {}
+
+    @property
+    def tables_version(self) -> int:
+        """The engine's tables version (``Engine.tables_version``) this sender's tables were read at;
+        0 before ``connect`` or from an engine that does not say."""
+        return self._tables_version
+
+    @property
+    def _plan_stale(self) -> bool:
+        """The engine reported tables newer than those the plan was built from."""
+        return self.plan_ is not None and self._plan_tables != self._engine_tables
 
     @property
     def buffers(self) -> TransferBuffers | None:
@@ -298,6 +319,7 @@ class Sender:
         except Exception as err:  # the engine's tables are its data: any malformation is the engine's error
             raise RefitError(f"engine at {self.address} sent malformed tables: {type(err).__name__}: {err}"[:1000]) from None
         self._tables = tables
+        self._tables_version = self._engine_tables = reply.get("tables", 0)
         self._engine = EngineInfo(exportable=reply["exportable"], device=reply["device"])
         self.engine_status = {"version": reply["version"], "state": reply["state"]}
         return tables
@@ -315,8 +337,11 @@ class Sender:
         return self.path
 
     def plan(self, specs: Iterable[SourceSpec]) -> RefitPlan:
-        """Build the plan for these trainer tensors, wire the data path, and hand both to the engine."""
-        params, destinations = self._tables if self._tables is not None else self.connect()
+        """Build the plan for these trainer tensors, wire the data path, and hand both to the engine.
+
+        Reads the engine's tables first (``connect``) unless the ones held are the engine's latest."""
+        held = self._tables if self._tables_version == self._engine_tables else None
+        params, destinations = held if held is not None else self.connect()
         if self.rules is not None:
             check_rules(self.rules, destinations)
         write_ahead = WRITE_AHEAD if self.one_behind else 0
@@ -351,7 +376,7 @@ class Sender:
                 return self.plan(plan.sources)
             raise RefitError(f"engine at {self.address} exported storage this trainer will not write: {err}") from None
         self.transport = path.name
-        self.plan_, self._plan_id = plan, plan_id
+        self.plan_, self._plan_id, self._plan_tables = plan, plan_id, self._tables_version
         adoption = reply["adoption"]
         self._adoptions = adoption if isinstance(adoption, list) else [adoption]
         self._last_sources = None
@@ -450,9 +475,11 @@ class Sender:
         """Send every tensor to the engine; returns timings.
 
         A mapping is checked whole (names, shapes, NaN/Inf) before any engine byte is
-        written; a stream is checked bucket by bucket (see the module docstring).
+        written; a stream is checked bucket by bucket (see the module docstring). If the engine's
+        tables changed after an earlier refit, the plan's sources are planned again first.
         """
         t0 = time.perf_counter()
+        replanned = self._replan_if_tables_changed()
         stream: Iterator[tuple[str, torch.Tensor]] | None = None
         if not isinstance(tensors, Mapping):
             if self.plan_ is None:
@@ -469,7 +496,7 @@ class Sender:
             self._screen(checked)
             srcs = list(checked)
         version = int(self.engine_status.get("version", 0)) + 1 if version is None else version
-        report = RefitReport(version, transport=self.transport, check_s=time.perf_counter() - t0)
+        report = RefitReport(version, transport=self.transport, check_s=time.perf_counter() - t0, replanned=replanned)
         if self._unfinished is not None:
             self._preempt(f"refit {self._unfinished} did not finish; refit {version} starts")
         self._unfinished = version
@@ -533,6 +560,8 @@ class Sender:
             raise RefitError(f"refit {version} failed: {err}", self._status_or_none()) from err
         self._unfinished = None
         self.engine_status = {"version": reply["version"], "state": reply["state"]}
+        if reply.get("tables", self._engine_tables) != self._engine_tables:
+            self._engine_tables, self._tables_changed_at = reply["tables"], version
         report.engine_fetch_s = float(reply.get("fetch_s", 0.0))
         report.engine_apply_s = float(reply.get("apply_s", 0.0))
         report.engine_process_s = float(reply.get("process_s", 0.0))
@@ -541,6 +570,17 @@ class Sender:
         report.buckets = len(plan.buckets)
         report.total_s = time.perf_counter() - t0
         return report
+
+    def _replan_if_tables_changed(self) -> bool:
+        """Read the engine's tables again and plan the same sources again if they changed since the
+        plan was built, so this refit writes what the engine now asks for (e.g. a kernel layout)."""
+        if not self._plan_stale or self.plan_ is None:
+            return False
+        old, after = self.plan_.digest, self._tables_changed_at or self.engine_status.get("version")
+        self.connect()
+        new = self.plan(self.plan_.sources).digest
+        log.info("engine tables changed after refit %s; planned again (digest %s→%s)", after, old[:12], new[:12])
+        return True
 
     def _finish(self, b: Bucket, srcs: list[torch.Tensor | None], version: int, report: RefitReport) -> None:
         """Once bucket ``b``'s kernels are done: abort if they met a non-finite value, else hand it to the engine."""

@@ -231,6 +231,7 @@ REPLIES: dict[str, dict[str, tuple[Any, bool]]] = {
         "destinations": (_LIST, True),
         "exportable": (_BOOL, True),
         "device": (_STR, True),
+        "tables": (_INT, False),  # the engine's tables version (Engine.tables_version); absent from older engines
         **_STATUS_FIELDS,
     },
     Op.PLANNED: {
@@ -246,6 +247,7 @@ REPLIES: dict[str, dict[str, tuple[Any, bool]]] = {
         "apply_s": (_NUM, False),
         "process_s": (_NUM, False),
         "after_refit_s": (_NUM, False),
+        "tables": (_INT, False),  # changed since "tables": plan again before the next refit
     },
     Op.ABORTED: _STATUS_FIELDS,
     Op.STATUS: _STATUS_FIELDS,
