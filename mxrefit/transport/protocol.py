@@ -232,6 +232,7 @@ REPLIES: dict[str, dict[str, tuple[Any, bool]]] = {
         "exportable": (_BOOL, True),
         "device": (_STR, True),
         "tables": (_INT, False),  # the engine's tables version (Engine.tables_version); absent from older engines
+        "orders": (_LIST, False),  # learned orders' tables, once each (plan/build.py tables_to_msg)
         **_STATUS_FIELDS,
     },
     Op.PLANNED: {
