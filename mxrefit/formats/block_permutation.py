@@ -26,6 +26,7 @@ engine keeps its own processing for that tensor.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 
@@ -119,9 +120,10 @@ class BlockPermutation:
             return "the scale tables do not describe a permutation of the scale bytes"
         return None
 
-    @property
+    @functools.cached_property
     def digest(self) -> str:
-        """A name for these tables (sha256 of their bytes): what plans and their digests refer to."""
+        """A name for these tables (sha256 of their bytes): what plans and their digests refer to.
+        Cached: every target in a learned order checks it, and the tables are never changed in place."""
         h = hashlib.sha256(str(self.n_values).encode())
         for f in _TABLES:
             h.update(getattr(self, f).cpu().contiguous().numpy().tobytes())
