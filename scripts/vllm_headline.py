@@ -274,14 +274,14 @@ def steady_ms(rows: list[dict]) -> float:
     return statistics.median(r["total_ms"] for r in steady)
 
 
-def mxrefit_refits(args, what: str, llm, sender, weights: dict) -> list[dict]:
-    """``args.refits`` refits through ``sender`` (the weights change between them), one row each."""
+def mxrefit_refits(args, what: str, llm, sender, weights: dict, n: int | None = None) -> list[dict]:
+    """``n`` (default ``args.refits``) refits through ``sender`` (the weights change between them), one row each."""
     import torch
 
     from mxrefit.integrations.vllm.client import refit_while
 
     refits = []
-    for i in range(args.refits):
+    for i in range(args.refits if n is None else n):
         if i == 1:  # the per-kind profile covers the steady refits: the first one learns and builds staging
             llm.collective_rpc(_reset_process_by_kind)
         with torch.no_grad():
@@ -356,6 +356,20 @@ def run_format(args, fmt: str, weights: dict, result: dict, dump) -> None:
     try:
         info = llm.collective_rpc("mxrefit_init", kwargs={"experts": "grouped"})[0]
         res["init"] = {k: v for k, v in info.items() if k != "token"}
+        if args.gather_refits:  # A/B in one run: a trainer that keeps its first plan gets the engine's learned gather
+            pinned = Sender(
+                info["address"],
+                bytes.fromhex(info["token"]),
+                device="cuda",
+                bucket_bytes=args.bucket_mb << 20,
+                follow_tables=False,
+            )
+            res["engine_gather"] = gathered = mxrefit_refits(
+                args, f"{fmt} engine gather", llm, pinned, weights, args.gather_refits
+            )
+            res["engine_gather_median_ms"] = steady_ms(gathered)
+            pinned.close()
+            dump()
         sender = Sender(info["address"], bytes.fromhex(info["token"]), device="cuda", bucket_bytes=args.bucket_mb << 20)
         res["mxrefit"] = refits = mxrefit_refits(args, fmt, llm, sender, weights)
         res["mxrefit_median_ms"] = steady_ms(refits)
@@ -453,6 +467,13 @@ def main() -> int:
         "lets an 80 GB card time a 48-layer MXFP8 refit",
     )
     p.add_argument("--refits", type=int, default=4)
+    p.add_argument(
+        "--gather-refits",
+        type=int,
+        default=0,
+        help="first, this many refits from a trainer that keeps its first plan (MXREFIT_LEARNED_LAYOUT: the engine's "
+        "learned gather), then the usual refits, which write the learned orders: both in one run",
+    )
     p.add_argument("--own-refits", type=int, default=1)
     p.add_argument("--bucket-mb", type=int, default=512)
     p.add_argument(
@@ -512,6 +533,8 @@ def main() -> int:
                 f"{fmt}: mxrefit {r['mxrefit_median_ms']:.1f} ms, vLLM IPC {r.get('vllm_ipc_median_ms', float('nan')):.1f} ms, "
                 f"speedup {r.get('speedup', float('nan')):.1f}x, floor {result['floor_ms'][fmt]:.1f} ms"
             )
+        if "engine_gather_median_ms" in r:
+            log(f"{fmt}: the engine's learned gather (first plan kept) {r['engine_gather_median_ms']:.1f} ms, same run")
     dump()
     return 0
 

@@ -160,6 +160,7 @@ class Sender:
 
     client: Control
     path: SendPath | None
+    follow_tables: bool = True
 
     def __init__(
         self,
@@ -175,6 +176,7 @@ class Sender:
         verify: bool = False,
         rules: QuantRules | None = None,
         one_behind: bool = True,
+        follow_tables: bool = True,
     ):
         """``check_finite``: True (default) screens every source for NaN/Inf in a pass of its own
         before any byte moves, so bad input changes no engine byte (the sources are read twice);
@@ -189,7 +191,11 @@ class Sender:
         behind, so the device runs bucket i + 1's kernels while the host waits for bucket i's (H100,
         2026-12-06, one run: Qwen3-30B-A3B at 24 layers 32.5 ms against 43.0 in step; into a real
         vLLM 65.6 against 71.5 ms); the engine keeps one more bucket of staging for it. False sends
-        each bucket's "ready" as soon as it is queued (the bench's ``prequant-in-step`` mode)."""
+        each bucket's "ready" as soon as it is queued (the bench's ``prequant-in-step`` mode).
+        ``follow_tables`` (default): when the engine's tables change after a refit (a kernel order it
+        learned), plan again before the next refit; False keeps the first plan, which the engine
+        goes on serving (A/B runs of the engine's own processing against the trainer's write)."""
+        self.follow_tables = follow_tables
         if transport is not None and transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS} or None, got {transport!r}")
         self._setup(
@@ -574,7 +580,7 @@ class Sender:
     def _replan_if_tables_changed(self) -> bool:
         """Read the engine's tables again and plan the same sources again if they changed since the
         plan was built, so this refit writes what the engine now asks for (e.g. a kernel layout)."""
-        if not self._plan_stale or self.plan_ is None:
+        if not self.follow_tables or not self._plan_stale or self.plan_ is None:
             return False
         old, after = self.plan_.digest, self._tables_changed_at or self.engine_status.get("version")
         self.connect()

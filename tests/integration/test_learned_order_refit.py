@@ -83,3 +83,25 @@ def test_the_trainer_writes_a_learned_order_after_the_engine_advertises_it():
                 assert torch.equal(engine.tensor(NORM), weights[NORM])
         finally:
             sender.close(shutdown_engine=True)
+
+
+def test_a_sender_that_keeps_its_plan_is_served_it_and_a_new_one_writes_the_order():
+    """``follow_tables=False`` (an A/B of the engine's own processing): no re-plan, the engine keeps
+    serving the checkpoint-layout plan; a trainer connecting afterwards writes the learned order."""
+    engine = OrderEngine()
+    with serving(engine) as receiver:
+        pinned = Sender(receiver.address, receiver.token, bucket_bytes=16 << 10, follow_tables=False)
+        for seed in (1, 2, 3):
+            weights = _weights(seed)
+            assert not pinned.refit(weights).replanned
+            assert_served(engine, weights)
+        assert engine.adopted == [None] and engine.learned and pinned.tables_version == 0
+        pinned.close()
+        sender = Sender(receiver.address, receiver.token, bucket_bytes=16 << 10)
+        try:
+            weights = _weights(4)
+            sender.refit(weights)
+            assert engine.adopted[-1] is not None and engine.adopted[-1].order == f"{PERM.digest}:values"
+            assert_served(engine, weights)
+        finally:
+            sender.close(shutdown_engine=True)
