@@ -10,6 +10,12 @@
 #   fused    the BF16 engine's fused screen (peer has its default; --mode checks would hold a 31 GB shadow too)
 #   layouts  the two-pass TRT-LLM layout and every TRT-LLM layout from the trainer, for comparison
 #   sweep    the layer sweep with its fit (time linear in bytes, intercept)
+# The carried folders, made here (ignored by git; python 3.12 wheels for the device image, which holds
+# anyio, click, h11, idna, typing-extensions and annotated-doc already):
+#   P="--only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64"
+#   pip download --no-deps -d .whl checkpoint-engine==0.4.2; pip download --no-deps $P -d .whl2 pyzmq
+#   pip download --no-deps $P -d .whl3 fastapi starlette pydantic pydantic-core annotated-types \
+#     typing-inspection opentelemetry-api uvicorn loguru
 # Files land in $RES (bench_TAG.{json,log}, pack_profile.{json,log}; summary lines on stdout); without
 # RES, in /tmp/bench_table, packed at the end into $OUT/bench_table.tar.gz (a call brings back few files).
 set -uo pipefail

@@ -104,22 +104,29 @@ def _single_kernel(
 
 
 @triton.jit
+def _tabled_pointers(src_addr, values_addr, scales_addr, t, ALIGNED: tl.constexpr):
+    """Row ``t`` of the address tables: the source, value and scale pointers. The alignment hint is
+    given here, on the loaded pointers: applied by the caller to the returned ones, Triton 3.6 (the
+    device image's) drops it and every access goes scalar, 19x slower (docs/benchmarks.md, "The
+    6.6x found and fixed"; tests/unit/test_kernel_codegen.py)."""
+    src = tl.load(src_addr + t).to(tl.pointer_type(tl.int16))
+    values = tl.load(values_addr + t).to(tl.pointer_type(tl.uint8))
+    scales = tl.load(scales_addr + t).to(tl.pointer_type(tl.uint8))
+    if ALIGNED:
+        src = tl.multiple_of(src, 16)
+        values = tl.multiple_of(values, 16)
+    return src, values, scales
+
+
+@triton.jit
 def _program_tensor(prog_tensor, prog_block, n_blocks_of, src_addr, values_addr, scales_addr, ALIGNED: tl.constexpr):
     """This program's row of the launch table: its tensor, first block and that tensor's block
-    count, source, value and scale pointers (what every grouped kernel loads before its first read).
-    The alignment hint is given here, on the loaded pointers: applied by the caller to the returned
-    ones, Triton 3.6 (the device image's) drops it and every access goes scalar, 19x slower
-    (docs/benchmarks.md, "The 6.6x found and fixed"; tests/unit/test_kernel_codegen.py)."""
+    count, source, value and scale pointers (what every grouped kernel loads before its first read)."""
     pid = tl.program_id(0)
     t = tl.load(prog_tensor + pid)
     first = tl.load(prog_block + pid).to(tl.int64)
     n_blocks = tl.load(n_blocks_of + t)
-    src = tl.load(src_addr + t).to(tl.pointer_type(tl.int16))
-    dst_values = tl.load(values_addr + t).to(tl.pointer_type(tl.uint8))
-    dst_scales = tl.load(scales_addr + t).to(tl.pointer_type(tl.uint8))
-    if ALIGNED:
-        src = tl.multiple_of(src, 16)
-        dst_values = tl.multiple_of(dst_values, 16)
+    src, dst_values, dst_scales = _tabled_pointers(src_addr, values_addr, scales_addr, t, ALIGNED)
     return t, first, n_blocks, src, dst_values, dst_scales
 
 
@@ -289,12 +296,7 @@ def _permuted_kernel(
     i = tl.program_id(0)
     u = tl.program_id(1) * R + tl.arange(0, R)
     live = u < units
-    src = tl.load(src_addr + i).to(tl.pointer_type(tl.int16))
-    values = tl.load(values_addr + i).to(tl.pointer_type(tl.uint8))
-    scales = tl.load(scales_addr + i).to(tl.pointer_type(tl.uint8))
-    if ALIGNED:
-        src = tl.multiple_of(src, 16)
-        values = tl.multiple_of(values, 16)
+    src, values, scales = _tabled_pointers(src_addr, values_addr, scales_addr, i, ALIGNED)
     first = tl.load(unit_src + u, mask=live, other=0)
     at = tl.multiple_of(tl.reshape(first[:, None] + tl.load(block_pattern + tl.arange(0, G))[None, :], (R * G,)), 32)
     in_unit = tl.reshape(tl.broadcast_to(live[:, None], (R, G)), (R * G,))
@@ -434,15 +436,15 @@ def quantize_permuted(
     if rem or experts == 0:
         raise ValueError(f"a permuted write of {perm.source_elements} elements per expert got {x.numel()} elements")
     v, s = values.reshape(-1).view(torch.uint8), scales.reshape(-1).view(torch.uint8)
-    outs = [
-        (v[e * perm.n_values : (e + 1) * perm.n_values], s[e * perm.n_values // 32 : (e + 1) * perm.n_values // 32])
-        for e in range(experts)
-    ]
     if v.numel() != experts * perm.n_values or s.numel() != experts * perm.n_values // 32:
         raise ValueError(
             f"a permuted write of {perm.n_values} bytes per expert got {v.numel()} value and {s.numel()} scale bytes "
             f"for {experts} experts"
         )
+    outs = [
+        (v[e * perm.n_values : (e + 1) * perm.n_values], s[e * perm.n_values // 32 : (e + 1) * perm.n_values // 32])
+        for e in range(experts)
+    ]
     one = x.reshape(experts, -1)
     group = PermutedGroup(
         perm, list(one), outs, list(range(experts)), device=x.device, blocks_per_program=blocks_per_program, num_warps=num_warps

@@ -77,15 +77,22 @@ class BlockPermutation:
     def to_msg(self) -> dict:
         """The tables as msgpack-able data: int32 bytes (every offset is within one expert, whose
         bytes ``of`` keeps below 2 GiB); raises ValueError past ``MAX_TABLE_BYTES`` a table."""
+        problem = self.wire_problem()
+        if problem:
+            raise ValueError(problem)
         msg: dict = {"n_values": self.n_values}
         for f in _TABLES:
-            data = getattr(self, f).cpu().to(torch.int32).contiguous().numpy().tobytes()
-            if len(data) > MAX_TABLE_BYTES:
-                raise ValueError(
-                    f"the order's {f} table is {len(data)} bytes, more than one message field takes ({MAX_TABLE_BYTES})"
-                )
-            msg[f] = data
+            msg[f] = getattr(self, f).cpu().to(torch.int32).contiguous().numpy().tobytes()
         return msg
+
+    def wire_problem(self) -> str | None:
+        """Why ``to_msg`` would refuse these tables (a table past ``MAX_TABLE_BYTES`` as int32), or
+        None; an engine asks before it offers an order, without encoding the tables twice."""
+        for f in _TABLES:
+            size = getattr(self, f).numel() * 4
+            if size > MAX_TABLE_BYTES:
+                return f"the order's {f} table is {size} bytes, more than one message field takes ({MAX_TABLE_BYTES})"
+        return None
 
     @classmethod
     def from_msg(cls, msg: dict) -> BlockPermutation:

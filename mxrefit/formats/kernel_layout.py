@@ -238,8 +238,10 @@ def _part_order(layout: KernelLayout, m: int, cols: int) -> BlockPermutation | s
     return layout.permutation.rows(layout.row_offset, m, cols)
 
 
+@functools.lru_cache(maxsize=256)
 def _order_positions(layout: KernelLayout, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(part byte, region byte) pairs of one expert of a part in a learned order."""
+    """(part byte, region byte) pairs of one expert of a part in a learned order (cached beside
+    ``_part_order``: a CPU refit writes the same parts every time)."""
     perm = layout.part_order(shape)
     if isinstance(perm, str):
         raise ValueError(f"cannot write learned order {layout}: {perm}")

@@ -10,11 +10,13 @@ leaves are compared with the two passes they replace: quantize the fused checkpo
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from mxrefit.formats import get_format, mxfp8
-from mxrefit.formats.block_permutation import BlockPermutation
+from mxrefit.formats.block_permutation import MAX_TABLE_BYTES, BlockPermutation
 from mxrefit.formats.kernel_layout import KernelLayout, read_reference
 from mxrefit.plan.build import PlanMismatch, SourceSpec, build_plan, tables_from_msg, tables_to_msg
 from mxrefit.plan.types import Destination, ParamSpec, Target
@@ -89,6 +91,12 @@ def test_tables_carry_each_order_once_and_refuse_malformed_ones():
     without = {k: v for k, v in msg.items() if k != "orders"}
     with pytest.raises(ValueError, match="without its tables"):
         tables_from_msg(without)
+    # the size rule, asked without encoding: this order fits; one table past a message field is named
+    assert perm.wire_problem() is None
+    big = dataclasses.replace(perm, unit_src=torch.zeros(MAX_TABLE_BYTES // 4 + 1, dtype=torch.int64))
+    assert "unit_src table is 1048580 bytes" in (big.wire_problem() or "")
+    with pytest.raises(ValueError, match="unit_src table"):
+        big.to_msg()
 
 
 def test_a_fused_region_is_planned_once_and_the_torch_path_writes_its_bytes():

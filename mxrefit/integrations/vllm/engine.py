@@ -944,12 +944,9 @@ class VllmEngine(Engine):
                 refused.append(f"{attr}: {perm}")
             elif not torch.equal(perm.index(), g.index.cpu().to(torch.int64)):
                 refused.append(f"{attr}: its units do not reproduce the learned gather")
+            elif problem := perm.wire_problem():
+                refused.append(f"{attr}: {problem}")
             else:
-                try:
-                    perm.to_msg()  # the tables must fit the tables message
-                except ValueError as err:
-                    refused.append(f"{attr}: {err}")
-                    continue
                 orders[attr] = perm
         if orders:
             self._orders[key] = orders
