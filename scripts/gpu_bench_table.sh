@@ -10,6 +10,7 @@
 #   fused    the BF16 engine's fused screen (peer has its default; --mode checks would hold a 31 GB shadow too)
 #   layouts  the two-pass TRT-LLM layout and every TRT-LLM layout from the trainer, for comparison
 #   sweep    the layer sweep with its fit (time linear in bytes, intercept)
+#   others   qwen3-32b and the qwen3-235b-a22b EP8 share (issue 23: nothing slower than before)
 # The carried folders, made here (ignored by git; python 3.12 wheels for the device image, which holds
 # anyio, click, h11, idna, typing-extensions and annotated-doc already):
 #   P="--only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64"
@@ -19,7 +20,7 @@
 # Files land in $RES (bench_TAG.{json,log}, pack_profile.{json,log}; summary lines on stdout); without
 # RES, in /tmp/bench_table, packed at the end into $OUT/bench_table.tar.gz (a call brings back few files).
 set -uo pipefail
-PARTS=${1:-pack,opens,peer,mxfp8,fused,layouts,sweep}
+PARTS=${1:-pack,opens,peer,mxfp8,fused,layouts,sweep,others}
 pack_into_out=; [[ -z ${RES:-} ]] && pack_into_out=1
 RES=${RES:-/tmp/bench_table}; mkdir -p $RES
 if ! python3 -c "import zmq, checkpoint_engine" 2>/dev/null; then
@@ -54,5 +55,9 @@ if has layouts; then
   b mxfp8_grouped --layers $full --mode prequant --experts grouped --steps 5
 fi
 has sweep && b sweep --mode prequant --sweep-layers $sweep --steps 3 --plot $RES/sweep_30b.png
+if has others; then  # b's --model comes first; a later one wins
+  b qwen3_32b --model qwen3-32b --mode prequant --steps 5
+  b qwen3_235b_ep8 --model qwen3-235b-a22b-ep8 --mode prequant --steps 5
+fi
 [[ -n $pack_into_out ]] && tar -czf ${OUT:-/tmp}/bench_table.tar.gz -C $RES .
 exit 0
