@@ -9,7 +9,7 @@ from typing import Any
 
 from mxrefit.bench.peer import PEERS, unavailable
 from mxrefit.bench.report import plot, plot_sweep, print_sweep, print_table
-from mxrefit.bench.run import ALL_MODES, CHECK_MODES, FORMATS, MODES, bench, pick_device, resolve_post
+from mxrefit.bench.run import ALL_MODES, CHECK_MODES, FORMATS, MODES, bench, pick_device, resolve_post, resolve_shape
 from mxrefit.bench.sweep import parse_layers, sweep
 from mxrefit.plan.shapes import BUILTIN
 
@@ -27,7 +27,7 @@ def _bench(args: argparse.Namespace) -> int:
         if layers and args.layers is not None:
             raise ValueError("--layers and --sweep-layers both set the layer count: give one")
         for peer in args.peer:
-            why = unavailable(peer, pick_device(args.device))
+            why = unavailable(peer, pick_device(args.device), resolve_shape(args.model, args.layers), args.format)
             if why:
                 raise ValueError(why)
     except (ValueError, RuntimeError) as err:
@@ -122,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         choices=PEERS,
         help="also run another project's refit on the same tensors in the same run, printed beside mxrefit and the "
         "floor with its memory and a bit-exactness check: checkpoint-engine (MoonshotAI; CUDA only, pip install "
-        "'mxrefit[peer]')",
+        "'mxrefit[peer]'); vllm (vLLM's own IPC weight-transfer path and mxrefit's, into one real vLLM started "
+        "in this process after mxrefit's modes; CUDA only, vLLM 0.26's trainer API, mxfp8 or bf16, Qwen3 and "
+        "Qwen3-MoE whole models)",
     )
     b.add_argument("--experts", default="per_expert", choices=("per_expert", "grouped"), help="trainer's expert tensor layout")
     b.add_argument("--json", metavar="PATH", help="write every figure as one JSON object")

@@ -23,6 +23,8 @@ Per format (``--fmts mxfp8,bf16``, one engine at a time; the trainer keeps its 6
   checkpoint holds them) / ``finish_weight_update``, each phase timed; then the same first-token time.
 vLLM 0.26's IPC engine module imports ``ray`` (not on the H200): ``scripts/vllm_hooks/noray``
 holds an empty stand-in that the shell puts on PYTHONPATH for this run only.
+The engine's config, vLLM's own path and the mxrefit refit are ``mxrefit.bench.peer_vllm``'s, which
+``mxrefit bench --peer vllm`` runs too.
 
     python3 scripts/vllm_headline.py --fmts mxfp8,bf16 --json $OUT/headline.json
 """
@@ -35,41 +37,11 @@ import os
 import re
 import statistics
 import sys
-import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # vllm_oracle's worker probes
-
-QWEN3_30B = {
-    "architectures": ["Qwen3MoeForCausalLM"],
-    "model_type": "qwen3_moe",
-    "hidden_size": 2048,
-    "num_hidden_layers": 48,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 4,
-    "head_dim": 128,
-    "num_experts": 128,
-    "num_experts_per_tok": 8,
-    "moe_intermediate_size": 768,
-    "intermediate_size": 6144,
-    "vocab_size": 151936,
-    "tie_word_embeddings": False,
-    "max_position_embeddings": 40960,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 1000000.0,
-    "decoder_sparse_step": 1,
-    "mlp_only_layers": [],
-    "norm_topk_prob": True,
-    "hidden_act": "silu",
-    "attention_bias": False,
-    "torch_dtype": "bfloat16",
-    "bos_token_id": 151643,
-    "eos_token_id": 151645,
-    "output_router_logits": False,
-    "router_aux_loss_coef": 0.001,
-}
 
 
 def log(*a) -> None:
@@ -77,19 +49,13 @@ def log(*a) -> None:
 
 
 def config_dir(path: str, fmt: str, layers: int) -> str:
-    from mxrefit.plan.eligibility import DEFAULT_RULES
-    from mxrefit.source.checkpoint import quant_block
+    """Qwen3-30B-A3B's config with ``layers`` layers (``mxrefit.bench.peer_vllm.config_dir``)."""
+    from dataclasses import replace
 
-    os.makedirs(path, exist_ok=True)
-    cfg = dict(QWEN3_30B, num_hidden_layers=layers)
-    if fmt == "mxfp8":
-        block = quant_block(DEFAULT_RULES.exclude_modules(layers))
-        cfg["quantization_config"] = block
-        with open(os.path.join(path, "hf_quant_config.json"), "w") as f:
-            json.dump({"producer": {"name": "mxrefit"}, "quantization": block["quantization"]}, f, indent=1)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=1)
-    return path
+    from mxrefit.bench.peer_vllm import config_dir as shape_config_dir
+    from mxrefit.plan.shapes import BUILTIN
+
+    return shape_config_dir(path, replace(BUILTIN["qwen3-30b-a3b"], layers=layers), fmt)
 
 
 def copy_bandwidth() -> float:
@@ -110,43 +76,6 @@ def copy_bandwidth() -> float:
     del src, dst
     torch.cuda.empty_cache()
     return 2 * (4 << 30) / statistics.median(times)
-
-
-class PeakMemory:
-    """Device-wide used memory sampled every millisecond (all processes: trainer and vLLM)."""
-
-    def __init__(self):
-        import torch
-
-        self.torch = torch
-        self.stop = threading.Event()
-
-    def used(self) -> int:
-        free, total = self.torch.cuda.mem_get_info()
-        return total - free
-
-    def __enter__(self):
-        self.torch.cuda.synchronize()
-        self.base = self.peak = self.used()
-        self.torch.cuda.reset_peak_memory_stats()
-        self.trainer_base = self.torch.cuda.memory_allocated()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-        return self
-
-    def _run(self):
-        while not self.stop.is_set():
-            self.peak = max(self.peak, self.used())
-            time.sleep(0.001)
-
-    def __exit__(self, *exc):
-        self.torch.cuda.synchronize()
-        self.stop.set()
-        self.thread.join()
-        self.peak = max(self.peak, self.used())
-        self.extra_gb = (self.peak - self.base) / 1e9
-        self.trainer_extra_gb = (self.torch.cuda.max_memory_allocated() - self.trainer_base) / 1e9
-        self.after_gb = (self.used() - self.base) / 1e9
 
 
 def first_token_s(llm) -> float:
@@ -179,44 +108,6 @@ def trainer_weights(layers: int, distinct: int = 0):
         t.normal_(0, 0.02, generator=g)
         out[name] = t
     return out
-
-
-def checkpoint_stream(weights: dict, fmt: str, stats: dict):
-    """What a trainer hands vLLM's own loader: HF checkpoint names; for MXFP8 the ModelOpt tensors
-    (per-expert values + uint8 ``_scale``) quantized here by vLLM's own ``mxfp8_e4m3_quantize``."""
-    import torch
-
-    from mxrefit.plan.eligibility import DEFAULT_RULES
-
-    if fmt == "bf16":
-        yield from weights.items()
-        return
-    from vllm.model_executor.layers.quantization.utils.mxfp8_utils import mxfp8_e4m3_quantize
-
-    decided = DEFAULT_RULES.decide((n, tuple(t.shape)) for n, t in weights.items())
-    for name, t in weights.items():
-        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            prefix = name.rsplit(".", 1)[0]
-            for e in range(t.shape[0]):
-                if name.endswith("gate_up_proj"):
-                    half = t.shape[1] // 2
-                    parts = {"gate_proj": t[e, :half], "up_proj": t[e, half:]}
-                else:
-                    parts = {"down_proj": t[e]}
-                for proj, w in parts.items():
-                    t0 = time.perf_counter()
-                    q, s = mxfp8_e4m3_quantize(w.contiguous())
-                    stats["quantize_s"] += time.perf_counter() - t0
-                    yield f"{prefix}.{e}.{proj}.weight", q
-                    yield f"{prefix}.{e}.{proj}.weight_scale", s.view(torch.uint8)
-        elif decided.get(name):
-            t0 = time.perf_counter()
-            q, s = mxfp8_e4m3_quantize(t)
-            stats["quantize_s"] += time.perf_counter() - t0
-            yield name, q
-            yield name + "_scale", s.view(torch.uint8)
-        else:
-            yield name, t
 
 
 def _process_by_kind(worker) -> dict:
@@ -278,7 +169,7 @@ def mxrefit_refits(args, what: str, llm, sender, weights: dict, n: int | None = 
     """``n`` (default ``args.refits``) refits through ``sender`` (the weights change between them), one row each."""
     import torch
 
-    from mxrefit.integrations.vllm.client import refit_while
+    from mxrefit.bench.peer_vllm import mxrefit_refit
 
     refits = []
     for i in range(args.refits if n is None else n):
@@ -287,8 +178,7 @@ def mxrefit_refits(args, what: str, llm, sender, weights: dict, n: int | None = 
         with torch.no_grad():
             for t in list(weights.values())[:8]:
                 t.add_(1e-3)  # the weights change between refits
-        with PeakMemory() as mem:
-            r = refit_while(lambda: llm.collective_rpc("mxrefit_receive"), sender, weights)
+        r, mem = mxrefit_refit(llm, sender, weights)
         llm.reset_prefix_cache()
         ttft = first_token_s(llm)
         row = {
@@ -322,25 +212,11 @@ def run_format(args, fmt: str, weights: dict, result: dict, dump) -> None:
     import torch
     from vllm import LLM
 
+    from mxrefit.bench.peer_vllm import engine_kwargs
     from mxrefit.source.sender import Sender
 
     path = config_dir(os.path.join(args.work, fmt), fmt, args.layers)
-    kw = dict(
-        model=path,
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        dtype="bfloat16",
-        max_model_len=512,
-        max_num_seqs=8,
-        seed=0,
-        gpu_memory_utilization=args.gpu_util,
-        kv_cache_memory_bytes=2 << 30,
-        attention_config={"backend": "FLASH_ATTN"},
-        worker_extension_cls="mxrefit.integrations.vllm.worker.RefitWorkerExtension",
-        compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8]},
-    )
-    if args.own_refits:
-        kw["weight_transfer_config"] = {"backend": "ipc"}
+    kw = engine_kwargs(path, gpu_util=args.gpu_util, own_path=bool(args.own_refits))
     if args.moe_backend:
         kw["moe_backend"] = args.moe_backend
     if args.max_batched_tokens:
@@ -402,49 +278,35 @@ def run_format(args, fmt: str, weights: dict, result: dict, dump) -> None:
         dump()
         own = []
         if args.own_refits:
-            from dataclasses import asdict
-
-            from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
-
-            def send(update_info):
-                llm.update_weights({"update_info": asdict(update_info)})
+            from mxrefit.bench.peer_vllm import own_refit
 
             for i in range(args.own_refits):
-                stats = {"quantize_s": 0.0}
-                with PeakMemory() as mem:
-                    t0 = time.perf_counter()
-                    llm.start_weight_update()
-                    t1 = time.perf_counter()
-                    with torch.no_grad():
-                        IPCWeightTransferEngine.trainer_send_weights(
-                            checkpoint_stream(weights, fmt, stats), {"send_mode": send, "packed": True}
-                        )
-                    t2 = time.perf_counter()
-                    llm.finish_weight_update()
-                    t3 = time.perf_counter()
+                r = own_refit(llm, weights, fmt)
                 llm.reset_prefix_cache()
                 ttft = first_token_s(llm)
                 row = {
-                    "total_ms": (t3 - t0) * 1e3,
-                    "start_ms": (t1 - t0) * 1e3,
-                    "send_and_load_ms": (t2 - t1) * 1e3,
-                    "trainer_quantize_ms": stats["quantize_s"] * 1e3,
-                    "finish_ms": (t3 - t2) * 1e3,
-                    "peak_extra_device_gb": mem.extra_gb,
-                    "peak_extra_trainer_gb": mem.trainer_extra_gb,
+                    "total_ms": r["total_s"] * 1e3,
+                    "start_ms": r["start_s"] * 1e3,
+                    "send_and_load_ms": r["send_load_s"] * 1e3,
+                    "trainer_quantize_ms": r["trainer_quantize_s"] * 1e3,
+                    "finish_ms": r["finish_s"] * 1e3,
+                    "peak_extra_device_gb": r["device_peak_extra_bytes"] / 1e9,
+                    "peak_extra_trainer_gb": r["trainer_peak_extra_bytes"] / 1e9,
                     "first_token_after_s": ttft,
                 }
                 own.append(row)
                 log(
                     f"{fmt}: vLLM IPC {i + 1}: {row['total_ms']:.1f} ms (send+load {row['send_and_load_ms']:.1f}, "
-                    f"finish {row['finish_ms']:.1f}), peak +{mem.extra_gb:.2f} GB, first token {ttft * 1e3:.1f} ms"
+                    f"finish {row['finish_ms']:.1f}), peak +{row['peak_extra_device_gb']:.2f} GB, first token {ttft * 1e3:.1f} ms"
                 )
             res["vllm_ipc"] = own
             res["vllm_ipc_median_ms"] = statistics.median(r["total_ms"] for r in own)
             res["speedup"] = res["vllm_ipc_median_ms"] / res["mxrefit_median_ms"]
     finally:
+        from mxrefit.bench.peer_vllm import shutdown
+
         try:
-            llm.llm_engine.engine_core.shutdown()
+            shutdown(llm)
         except Exception as err:  # noqa: BLE001
             log("shutdown:", err)
         del llm

@@ -1,4 +1,5 @@
 """`mxrefit bench --peer checkpoint-engine`: MoonshotAI's checkpoint-engine on the bench's own tensors.
+(``--peer vllm``, vLLM's own weight-transfer path, is ``peer_vllm``; ``unavailable`` answers for both.)
 
 Its own code path, as its vLLM worker extension drives it, written against checkpoint-engine
 0.4.2 (the ``peer`` extra): trainer side (this process) ``ParameterServer.register_checkpoint``
@@ -30,18 +31,23 @@ from typing import Any
 
 import torch
 
+from mxrefit.bench import peer_vllm
+from mxrefit.plan.shapes import ModelShape
 from mxrefit.transport.bytesum import tensor_sha256
 
-PEERS = ("checkpoint-engine",)
+PEERS = ("checkpoint-engine", peer_vllm.PEER)
 CHECKPOINT = "mxrefit-bench"
 _ALIGN = 256  # checkpoint-engine's alignment of each tensor in its pinned buckets (pin_memory._ALIGN_SIZE)
 _INSTALL = "pip install 'mxrefit[peer]' (checkpoint-engine==0.4.2)"
 
 
-def unavailable(peer: str, device: torch.device) -> str | None:
-    """Why ``peer`` cannot run on ``device`` here, every missing piece named; None when it can."""
+def unavailable(peer: str, device: torch.device, shape: ModelShape | None = None, fmt: str = "mxfp8") -> str | None:
+    """Why ``peer`` cannot run on ``device`` here, every missing piece named; None when it can.
+    ``shape`` and ``fmt``: the bench's model and format (checkpoint-engine moves BF16 whatever they are)."""
     if peer not in PEERS:
         return f"--peer {peer}: unknown peer; known: {', '.join(PEERS)}"
+    if peer == peer_vllm.PEER:
+        return peer_vllm.unavailable(device, shape, fmt)
     reasons = []
     if device.type != "cuda":
         reasons.append(

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
-from mxrefit.bench.sweep import FLOOR, totals, traffic
+from mxrefit.bench.sweep import FLOOR, peer_columns, totals, traffic
 
 
 def _ms(s: float) -> str:
@@ -36,12 +36,14 @@ _ROWS = (
     ("rate, GB/s", "GBps", lambda r: f"{r:,.2f}"),
     ("trainer peak+, GiB", "trainer_peak_extra_bytes", lambda b: f"{b / 2**30:.2f}"),
     ("engine peak+, GiB", "engine_peak_extra_bytes", lambda b: f"{b / 2**30:.2f}"),
+    ("device peak+, GiB", "device_peak_extra_bytes", lambda b: f"{b / 2**30:.2f}"),
 )
 
 
 # what the short row labels stand for, printed under the table so that no label needs the width
 LEGEND = (
-    "peak+: peak device memory above what that process held before its first refit; "
+    "peak+: peak device memory above what that process held before its first refit (device: every "
+    "process on it, sampled each ms, where the engine is a real vLLM); "
     "x copy floor: total / floor; floor: the trainer's BF16 bytes read and the engine's bytes "
     "written once, at the device's copy rate measured in this run"
 )
@@ -61,7 +63,12 @@ def _cell(fmt, m: dict[str, Any], key: str) -> str:
 def columns(result: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any]]]:
     """Every timed column of a result, mxrefit's modes then the peers: name -> (header, summary)."""
     out = {mode: (_header(mode, m.get("transport")), m) for mode, m in result["modes"].items()}
-    out.update({name: (_header(name, "peer"), p) for name, p in result.get("peers", {}).items()})
+    out.update(
+        {
+            name: (_header(name, p.get("transport") if name.startswith("mxrefit-") else "peer"), p)
+            for name, p in peer_columns(result).items()
+        }
+    )
     return out
 
 
@@ -78,6 +85,8 @@ def _table(result: dict[str, Any], cols: list[tuple[str, dict[str, Any]]], title
         "GBps": f"{result['copy_GBps']:,.1f}",
     }
     for label, key, fmt in _ROWS:
+        if not any(key in m for _, m in cols):
+            continue  # a row no column has (the device-wide peak is measured beside a real vLLM only)
         table.add_row(label, *(_cell(fmt, m, key) for _, m in cols), floor.get(key, ""))
     table.add_row("x copy floor", *(f"{m['total_s'] / m.get('floor_s', result['floor_s']):,.1f}" for _, m in cols), "1.0")
     return table
@@ -142,6 +151,9 @@ def print_table(result: dict[str, Any], console: Console | None = None) -> None:
         verdict = (
             "identical" if not check["mismatched"] else f"DIFFERENT for {len(check['mismatched'])}: {check['mismatched'][:5]}"
         )
+        if "mxrefit" in p:
+            console.print(_vllm_line(name, p, verdict))
+            continue
         console.print(
             f"{name} (its own path, BF16 into a BF16 engine): register {_ms(p['register_s'])} ms (GPU -> pinned host), "
             f"gather_metas {_ms(p['gather_s'])}, update {_ms(p['update_s'])}, unregister {_ms(p['unregister_s'])}; "
@@ -149,6 +161,19 @@ def print_table(result: dict[str, Any], console: Console | None = None) -> None:
             f"BF16 read + BF16 written: {_ms(p['floor_s'])} ms; received tensors vs the trainer's (sha256): {verdict} "
             f"({check['tensors_checked']:,} tensors)"
         )
+
+
+def _vllm_line(name: str, p: dict[str, Any], verdict: str) -> str:
+    """``--peer vllm``: its phases, both paths' memory, the speedup and the engine-state check."""
+    m, speedup = p["mxrefit"], p["speedup"]
+    versus = f"{speedup:.1f}x faster than" if speedup >= 1 else f"{1 / speedup:.1f}x slower than"
+    return (
+        f"{name} {p['engine']['vllm']} (its own IPC path, one real vLLM for both columns): start {_ms(p['start_s'])} ms, "
+        f"send+load {_ms(p['send_load_s'])} (trainer quantize {_ms(p['trainer_quantize_s'])}), finish {_ms(p['finish_s'])}; "
+        f"device peak+ {p['device_peak_extra_bytes'] / 2**30:.2f} GiB, mxrefit's {m['device_peak_extra_bytes'] / 2**30:.2f} GiB; "
+        f"mxrefit into it is {versus} its own path; the engine's params after its own load vs after mxrefit's refit "
+        f"of the same weights (sha256): {verdict} ({p['check']['params_checked']:,} params)"
+    )
 
 
 SWEEP_LEGEND = (

@@ -44,6 +44,8 @@ import torch
 
 from mxrefit.bench.baseline import BaselineReceiver, BaselineSender, quantize_as
 from mxrefit.bench.peer import run_checkpoint_engine, unavailable
+from mxrefit.bench.peer_vllm import PEER as VLLM_PEER
+from mxrefit.bench.peer_vllm import run_vllm
 from mxrefit.bench.trace import traced_refit
 from mxrefit.devices import bind, resolve
 from mxrefit.engine.layout import LayoutEngine
@@ -393,12 +395,12 @@ def bench(
 
     post = resolve_post(fmt, post)
     dev = pick_device(device)
+    shape = resolve_shape(model, layers)
     for peer in peers:
-        why = unavailable(peer, dev)
+        why = unavailable(peer, dev, shape, fmt)
         if why:
             raise RuntimeError(why)
     dev = resolve(dev)
-    shape = resolve_shape(model, layers)
     specs = [SourceSpec(n, tuple(s), dt) for n, s, dt in hf_tensor_specs(shape, experts=experts)]
     with Progress(disable=not progress, transient=True) as bar:
         task = bar.add_task(f"weights for {shape.name}", total=len(specs))
@@ -426,6 +428,21 @@ def bench(
             )
         peer_results = {}
         for peer in peers:
+            if peer == VLLM_PEER:  # mxrefit's and vLLM's own refits into one real vLLM, `steps` each
+                task = bar.add_task(f"{peer} refits (mxrefit, then its own)", total=2 * steps)
+                peer_results[peer] = run_vllm(
+                    weights,
+                    shape,
+                    dev,
+                    fmt=fmt,
+                    experts=experts,
+                    steps=steps,
+                    bucket_bytes=bucket_bytes,
+                    timeout_s=timeout_s,
+                    step=lambda i: perturb(weights, i),
+                    on_step=functools.partial(bar.advance, task),
+                )
+                continue
             task = bar.add_task(f"{peer} refits", total=warmup + steps)
             peer_results[peer] = run_checkpoint_engine(
                 weights,

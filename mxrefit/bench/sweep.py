@@ -35,10 +35,21 @@ def traffic(run: dict[str, Any]) -> int:
     return run["trainer_bf16_bytes"] + run["engine_bytes"]
 
 
+def peer_columns(run: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The peers' columns of one bench result: each peer's own path, preceded, where the peer is an
+    engine mxrefit also refitted (``--peer vllm``), by mxrefit's refits into it (``mxrefit-into-<peer>``)."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, p in run.get("peers", {}).items():
+        if "mxrefit" in p:
+            out[f"mxrefit-into-{name}"] = p["mxrefit"]
+        out[name] = p
+    return out
+
+
 def totals(run: dict[str, Any]) -> dict[str, float]:
     """Median seconds per refit of every column of one bench result, the floor last."""
     out = {name: m["total_s"] for name, m in run["modes"].items()}
-    out.update({name: p["total_s"] for name, p in run.get("peers", {}).items()})
+    out.update({name: p["total_s"] for name, p in peer_columns(run).items()})
     out[FLOOR] = run["floor_s"]
     return out
 

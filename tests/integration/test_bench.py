@@ -166,6 +166,15 @@ def test_bench_peer_checkpoint_engine_refuses_on_cpu_without_a_traceback():
     assert "this run's device is cpu" in run.stderr
 
 
+def test_bench_peer_vllm_refuses_on_cpu_in_one_line():
+    """Every missing piece in one line, before any work: the device, and a shape it cannot describe."""
+    run = bench("--device", "cpu", "--peer", "vllm", "--model", "qwen3-235b-a22b-ep8", "--no-progress", timeout_s=120)
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    assert run.stderr.count("\n") == 1 and run.stderr.startswith("mxrefit bench: --peer vllm cannot run here: it needs CUDA")
+    assert "this run's device is cpu" in run.stderr and "model qwen3-235b-a22b-ep8: one rank's share" in run.stderr
+    assert run.stdout == ""
+
+
 def test_bench_traces_one_refit_per_mode(tmp_path):
     """`--trace DIR`: one more refit per mode under torch.profiler, its Chrome trace holding the refit's range,
     and the device figures (none on a CPU) in the JSON and the printout."""

@@ -78,8 +78,10 @@ def render(result: dict, width: int) -> str:
 
 def header_words(result: dict) -> list[str]:
     """Every line of every column header, every row label (each carries its unit) and the floor."""
-    words = ["per refit", "copy", "floor", "x copy floor", *(label for label, _, _ in _ROWS)]
-    for header, _ in columns(result).values():
+    cols = columns(result).values()
+    words = ["per refit", "copy", "floor", "x copy floor"]
+    words += [label for label, key, _ in _ROWS if any(key in m for _, m in cols)]  # a row no column has is left out
+    for header, _ in cols:
         words += header.splitlines()
     return words
 
@@ -122,3 +124,45 @@ def test_a_peer_has_dashes_where_it_has_no_such_phase():
     text = render(widest_result(), 120)
     finite = next(line for line in text.splitlines() if "finite check, ms" in line)
     assert finite.count("—") == 1  # the peer's column; each mxrefit mode has a figure
+
+
+def vllm_peer() -> dict:
+    """``--peer vllm``'s figures as ``peer_vllm.run_vllm`` returns them (qwen3-30b-a3b at 24 layers' sizes)."""
+    own = {
+        "total_s": 1.912,
+        "start_s": 0.004,
+        "send_load_s": 1.530,
+        "trainer_quantize_s": 0.211,
+        "finish_s": 0.378,
+        "bytes": 16_200_000_000,
+        "GBps": 8.47,
+        "trainer_peak_extra_bytes": 1 << 30,
+        "device_peak_extra_bytes": 3 << 30,
+    }
+    mine = {**_summary(61.0, "direct"), "device_peak_extra_bytes": 1 << 29}
+    del mine["check"], mine["engine_peak_extra_bytes"]
+    return {
+        **own,
+        "mxrefit": mine,
+        "speedup": 1.912 / 0.061,
+        "check": {"params_checked": 531, "tensors_checked": 531, "mismatched": []},
+        "engine": {"vllm": "0.26.0"},
+    }
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_the_vllm_peer_shows_mxrefit_into_it_and_its_own_path(width):
+    result = widest_result()
+    result["peers"] = {"vllm": vllm_peer()}
+    text = render(result, width)
+    assert unreadable(text, header_words(result), width) == [], text
+    assert list(columns(result))[-2:] == ["mxrefit-into-vllm", "vllm"]
+    assert "device peak+, GiB" in text and "31.3x faster than its own path" in text
+    assert "send+load 1,530.0" in text and "(sha256): identical (531 params)" in text
+
+
+def test_a_vllm_peer_that_differs_names_the_params():
+    result = widest_result()
+    result["peers"] = {"vllm": vllm_peer()}
+    result["peers"]["vllm"]["check"]["mismatched"] = ["model.layers.0.mlp.experts.w13_weight"]
+    assert "DIFFERENT for 1: ['model.layers.0.mlp.experts.w13_weight']" in render(result, 1000)
