@@ -27,6 +27,8 @@
 #            of Qwen3-30B-A3B learned as the engine does, the library gather and kernel variants against a copy
 #   digests  the 3.54e-4 hunt (docs/vllm.md): dense MXFP8 through the extension, the backend and the learned layout,
 #            sha256 of every parameter, buffer and plain kernel tensor of engine A and of each fresh vLLM compared
+#   peervllm `mxrefit bench --peer vllm` (run it alone: it times): qwen3-30b-a3b at PEER_LAYERS (24) layers, MXFP8
+#            then BF16 (PEER_FMTS), mxrefit and vLLM's own IPC path into one real vLLM, and the byte check
 #   bench    issue 23 on the GPU (run it alone: it times): scripts/gpu_bench_table.sh, every part, beside this vLLM's
 #            packages (checkpoint-engine's wheel from .whl/); that script alone needs no vLLM
 # Everything lands in /tmp/res, packed at the end into $OUT/vllm_h200_<parts>.tar.gz, plus $OUT/summary.txt.
@@ -137,6 +139,15 @@ if has trl; then  # TRL and its wheels (.whl/: trl, datasets, dill, multiprocess
     --json $RES/trl.json > $RES/trl.log 2>&1 &
   pids+=($!)
 fi
+if has peervllm; then  # in the foreground, one format after another: it times
+  fmts=${PEER_FMTS:-mxfp8,bf16}
+  for f in ${fmts//,/ }; do
+    PYTHONPATH=$PYTHONPATH:$PWD/scripts/vllm_hooks/noray timeout ${PEER_TIMEOUT:-280} python3 -m mxrefit bench --device cuda \
+      --no-progress --model qwen3-30b-a3b --layers ${PEER_LAYERS:-24} --format $f --mode prequant --peer vllm --steps 3 \
+      --json $RES/peer_vllm_$f.json > $RES/peer_vllm_$f.log 2>&1
+    echo "== peer_vllm_$f (rc $?)" >> $RES/peer_vllm.txt; grep -E "x copy floor|vllm|identical|differ|Error|^│" $RES/peer_vllm_$f.log | tail -25 >> $RES/peer_vllm.txt
+  done
+fi
 if has bench; then
   wheels
   RES=$RES bash scripts/gpu_bench_table.sh > $RES/bench_table.log 2>&1 &
@@ -148,6 +159,7 @@ for p in "${pids[@]}"; do wait $p; done
     [[ -f $f ]] || continue
     echo "== $(basename $f)"; grep -E "oracle:|moe_hang:|headline:|gather|GB/s|trl_bench:|VARIANT-|Error|error:|passed|failed|total, ms|x copy floor|intercept|checkpoint-engine" $f | grep -v "^\s*$" | tail -14
   done
+  [[ -f $RES/peer_vllm.txt ]] && cat $RES/peer_vllm.txt
 } > $RES/summary.txt 2>&1
 cp $RES/summary.txt $OUT/summary.txt
 tar -czf $OUT/vllm_h200_${PARTS//,/_}.tar.gz -C $RES . 2>/dev/null

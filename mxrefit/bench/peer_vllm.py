@@ -427,6 +427,10 @@ def run_vllm(
     why = unavailable(device, shape, fmt)
     if why:
         raise RuntimeError(why)
+    # vLLM's own IPC path sends torch's rebuild_cuda_tensor arguments (a torch dtype among them) over
+    # vLLM's msgspec RPC, which refuses them unless its pickle fallback is allowed; the engine is the
+    # bench's own, in this process and its children, so the bench allows it unless the user said otherwise
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     from vllm import LLM
 
     with tempfile.TemporaryDirectory(prefix="mxrefit_peer_vllm_") as tmp:
