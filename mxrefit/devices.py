@@ -24,6 +24,18 @@ def resolve(device: torch.device | str) -> torch.device:
 ALIGN = 512  # bytes: every staged tensor, bucket and arena piece starts on this boundary
 
 
+def first_cuda_problem(device: torch.device, needs: str, first_only: str) -> str | None:
+    """Why a peer that runs on the first visible GPU cannot run on ``device``: ``needs`` says why
+    it needs CUDA, ``first_only`` why it takes only the first GPU; None when ``device`` is usable."""
+    if device.type != "cuda":
+        return f"it needs CUDA ({needs}); this run's device is {device}"
+    if not torch.cuda.is_available():
+        return f"it needs CUDA and this torch ({torch.__version__}) sees no CUDA device"
+    if device.index not in (None, 0):
+        return f"{first_only}; run with CUDA_VISIBLE_DEVICES={device.index} and --device cuda instead of --device cuda:N"
+    return None
+
+
 def align(n: int) -> int:
     """Round ``n`` up to ``ALIGN``."""
     return -(-n // ALIGN) * ALIGN

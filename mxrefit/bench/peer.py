@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from mxrefit.bench import peer_vllm
+from mxrefit.devices import first_cuda_problem
 from mxrefit.plan.shapes import ModelShape
 from mxrefit.transport.bytesum import tensor_sha256
 
@@ -49,17 +50,13 @@ def unavailable(peer: str, device: torch.device, shape: ModelShape | None = None
     if peer == peer_vllm.PEER:
         return peer_vllm.unavailable(device, shape, fmt)
     reasons = []
-    if device.type != "cuda":
-        reasons.append(
-            f"it needs CUDA (its ParameterServer shares GPU buckets by CUDA IPC and runs NCCL); this run's device is {device}"
-        )
-    elif not torch.cuda.is_available():
-        reasons.append(f"it needs CUDA and this torch ({torch.__version__}) sees no CUDA device")
-    elif device.index not in (None, 0):
-        reasons.append(
-            f"a single-process ParameterServer works on cuda:0 (rank 0 % GPUs); run with CUDA_VISIBLE_DEVICES={device.index} "
-            "and --device cuda instead of --device cuda:N"
-        )
+    why = first_cuda_problem(
+        device,
+        "its ParameterServer shares GPU buckets by CUDA IPC and runs NCCL",
+        "a single-process ParameterServer works on cuda:0 (rank 0 % GPUs)",
+    )
+    if why:
+        reasons.append(why)
     elif not torch.distributed.is_available() or not torch.distributed.is_nccl_available():
         reasons.append("it needs torch.distributed with NCCL, which this torch lacks")
     if importlib.util.find_spec("checkpoint_engine") is None:

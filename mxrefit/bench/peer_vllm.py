@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from mxrefit.devices import first_cuda_problem
 from mxrefit.integrations.vllm.client import refit_while
 from mxrefit.plan.eligibility import DEFAULT_RULES
 from mxrefit.plan.shapes import ModelShape
@@ -328,17 +329,11 @@ def unavailable(device: torch.device, shape: ModelShape | None = None, fmt: str 
     """Why ``--peer vllm`` cannot run on ``device`` here for ``shape`` in ``fmt``, every missing
     piece named; None when it can."""
     reasons = []
-    if device.type != "cuda":
-        reasons.append(
-            f"it needs CUDA (vLLM's IPC weight transfer shares the trainer's GPU tensors by CUDA IPC); this run's device is {device}"
-        )
-    elif not torch.cuda.is_available():
-        reasons.append(f"it needs CUDA and this torch ({torch.__version__}) sees no CUDA device")
-    elif device.index not in (None, 0):
-        reasons.append(
-            f"vLLM starts on the first visible GPU; run with CUDA_VISIBLE_DEVICES={device.index} and --device cuda "
-            "instead of --device cuda:N"
-        )
+    why = first_cuda_problem(
+        device, "vLLM's IPC weight transfer shares the trainer's GPU tensors by CUDA IPC", "vLLM starts on the first visible GPU"
+    )
+    if why:
+        reasons.append(why)
     if fmt not in FORMATS:
         reasons.append(f"--format {fmt}: vLLM's own path is written here for {' and '.join(FORMATS)} checkpoints")
     if shape is not None:
