@@ -8,8 +8,11 @@ Then, on that one engine:
 - mxrefit: ``steps`` refits through the worker extension (``Sender`` on the trainer's device);
 - vLLM's own path: ``steps`` rounds of ``start_weight_update`` / ``IPCWeightTransferEngine.
   trainer_send_weights`` (packed, CUDA IPC; the checkpoint-format tensors, for MXFP8 quantized on
-  the trainer by vLLM's own ``mxfp8_e4m3_quantize`` under per-expert ModelOpt names;
-  ``checkpoint_stream``) / ``finish_weight_update``, each phase timed;
+  the trainer under per-expert ModelOpt names; ``checkpoint_stream``) / ``finish_weight_update``,
+  each phase timed. The quantizer is vLLM's own ``mxfp8_e4m3_quantize`` where it writes the
+  ModelOpt rule's bytes (what a ModelOpt checkpoint and mxrefit hold); vLLM 0.26's writes other
+  bytes (``floor(log2(amax)) + 127``), and there mxrefit's quantizer stands in (``own_quantizer``),
+  so the check below compares two transfers of one checkpoint, not two quantizers;
 - the check: the engine's parameters as its kernels read them (``mxrefit_kernel_state``: sha256
   of every parameter) after vLLM's own path loaded the last weights, and again after mxrefit
   refitted the same weights, must be equal, byte for byte.
@@ -193,11 +196,56 @@ class PeakMemory:
         self.after_gb = (self.used() - self.base) / 1e9
 
 
-def checkpoint_stream(weights: dict[str, torch.Tensor], fmt: str, stats: dict[str, float]) -> Iterator[tuple[str, torch.Tensor]]:
+Quantizer = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _rule_probe(device: torch.device) -> torch.Tensor:
+    """A BF16 [64, 256] tensor whose rows span 2**-20 to 2**20: blocks on which any two MXFP8 scale
+    rules that differ anywhere in the weights' range write different bytes."""
+    g = torch.Generator().manual_seed(0)
+    rows = torch.exp2(torch.linspace(-20, 20, 64)).unsqueeze(1)
+    return (torch.randn(64, 256, generator=g) * rows).to(torch.bfloat16).to(device)
+
+
+def pick_quantizer(candidate: Quantizer, label: str, device: torch.device) -> tuple[Quantizer, dict[str, Any]]:
+    """``candidate`` where its bytes on ``_rule_probe`` equal mxrefit's MXFP8 quantizer (the ModelOpt
+    rule, proven equal to vLLM 0.32's function), else mxrefit's quantizer; and what was chosen and why."""
+    from mxrefit.formats import mxfp8
+
+    probe = _rule_probe(device)
+    want_q, want_s = mxfp8.quantize(probe, backend="torch")
+    try:
+        q, s = candidate(probe)
+        differ = int((s.view(torch.uint8).reshape(want_s.shape) != want_s).sum())
+        same = differ == 0 and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+        why = f"{differ} of {want_s.numel()} scale bytes differ from the ModelOpt rule's on a probe"
+    except Exception as err:  # noqa: BLE001 - any failure means it cannot stand for the checkpoint's quantizer
+        same, why = False, f"it failed on a probe: {type(err).__name__}: {err}"
+    if same:
+        return candidate, {"function": label, "modelopt_rule": True}
+    return lambda w: mxfp8.quantize(w), {
+        "function": "mxrefit.formats.mxfp8.quantize",
+        "modelopt_rule": False,
+        "why": f"{label} writes other bytes than a ModelOpt MXFP8 checkpoint holds: {why}",
+    }
+
+
+def own_quantizer(device: torch.device) -> tuple[Quantizer, dict[str, Any]]:
+    """The trainer-side MXFP8 quantizer of vLLM's own path (``pick_quantizer`` of vLLM's function)."""
+    from vllm.model_executor.layers.quantization.utils.mxfp8_utils import mxfp8_e4m3_quantize
+
+    version = getattr(importlib.import_module("vllm"), "__version__", "unknown")
+    return pick_quantizer(mxfp8_e4m3_quantize, f"vLLM {version}'s mxfp8_e4m3_quantize", device)
+
+
+def checkpoint_stream(
+    weights: dict[str, torch.Tensor], fmt: str, stats: dict[str, float], quantize: Quantizer | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """What a trainer hands vLLM's own loader: HF checkpoint names; for MXFP8 the ModelOpt tensors
-    (per-expert values + uint8 ``_scale``) quantized here by vLLM's own ``mxfp8_e4m3_quantize``.
-    Grouped expert slabs (transformers 5) are split into the per-expert tensors a checkpoint holds.
-    ``stats``: ``quantize_s`` (time in the quantizer) and ``bytes`` (what was yielded) add up."""
+    (per-expert values + uint8 ``_scale``) quantized here by ``quantize`` (vLLM's own
+    ``mxfp8_e4m3_quantize`` by default). Grouped expert slabs (transformers 5) are split into the
+    per-expert tensors a checkpoint holds. ``stats``: ``quantize_s`` (time in the quantizer) and
+    ``bytes`` (what was yielded) add up."""
     stats.setdefault("quantize_s", 0.0)
     stats.setdefault("bytes", 0)
 
@@ -209,11 +257,15 @@ def checkpoint_stream(weights: dict[str, torch.Tensor], fmt: str, stats: dict[st
         for name, t in weights.items():
             yield out(name, t)
         return
-    from vllm.model_executor.layers.quantization.utils.mxfp8_utils import mxfp8_e4m3_quantize
+    if quantize is None:
+        from vllm.model_executor.layers.quantization.utils.mxfp8_utils import mxfp8_e4m3_quantize
+
+        quantize = mxfp8_e4m3_quantize
+    chosen: Quantizer = quantize
 
     def quantized(name: str, w: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         t0 = time.perf_counter()
-        q, s = mxfp8_e4m3_quantize(w)
+        q, s = chosen(w)
         stats["quantize_s"] += time.perf_counter() - t0
         yield out(name, q)
         yield out(name + "_scale", s.view(torch.uint8))
@@ -251,10 +303,10 @@ def mxrefit_refit(llm: Any, sender: Sender, weights: dict[str, torch.Tensor]) ->
     return report, mem
 
 
-def own_refit(llm: Any, weights: dict[str, torch.Tensor], fmt: str) -> dict[str, Any]:
+def own_refit(llm: Any, weights: dict[str, torch.Tensor], fmt: str, quantize: Quantizer | None = None) -> dict[str, Any]:
     """One round of vLLM's own IPC path, each phase timed: ``start_weight_update``, the packed
-    ``trainer_send_weights`` (the trainer's quantization and the engine's load inside it),
-    ``finish_weight_update`` (vLLM's post-load processing)."""
+    ``trainer_send_weights`` (the trainer's quantization by ``quantize`` and the engine's load inside
+    it), ``finish_weight_update`` (vLLM's post-load processing)."""
     from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
 
     def send(update_info: Any) -> None:
@@ -267,7 +319,7 @@ def own_refit(llm: Any, weights: dict[str, torch.Tensor], fmt: str) -> dict[str,
         t1 = time.perf_counter()
         with torch.no_grad():
             IPCWeightTransferEngine.trainer_send_weights(
-                checkpoint_stream(weights, fmt, stats), {"send_mode": send, "packed": True}
+                checkpoint_stream(weights, fmt, stats, quantize), {"send_mode": send, "packed": True}
             )
         t2 = time.perf_counter()
         llm.finish_weight_update()
@@ -437,6 +489,7 @@ def run_vllm(
             "vllm": getattr(importlib.import_module("vllm"), "__version__", "unknown"),
             "start_s": time.perf_counter() - t0,
             "kwargs": {k: v for k, v in kwargs.items() if k != "model"},
+            "learned_layout": os.environ.get("MXREFIT_LEARNED_LAYOUT", ""),
         }
         try:
             sender, info = start_mxrefit(llm, device, experts=experts, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
@@ -451,10 +504,11 @@ def run_vllm(
             finally:
                 sender.close()
                 llm.collective_rpc("mxrefit_close")
+            quantize, engine["own_quantizer"] = own_quantizer(device) if fmt == "mxfp8" else (None, None)
             own = []
             for i in range(steps):
                 step(steps + i)
-                own.append(own_refit(llm, weights, fmt))
+                own.append(own_refit(llm, weights, fmt, quantize))
                 if on_step is not None:
                     on_step()
             # the same weights again through mxrefit, into fresh tables (vLLM's own load may have moved params)

@@ -167,9 +167,14 @@ def _vllm_line(name: str, p: dict[str, Any], verdict: str) -> str:
     """``--peer vllm``: its phases, both paths' memory, the speedup and the engine-state check."""
     m, speedup = p["mxrefit"], p["speedup"]
     versus = f"{speedup:.1f}x faster than" if speedup >= 1 else f"{1 / speedup:.1f}x slower than"
+    quantizer = p["engine"].get("own_quantizer") or {}
+    by = f" by {quantizer['function']}" if quantizer else ""
+    if quantizer and not quantizer["modelopt_rule"]:
+        by += f" ({quantizer['why']})"
+    learned = ", mxrefit's learned layout" if p["engine"].get("learned_layout") in ("1", "quantized") else ""
     return (
-        f"{name} {p['engine']['vllm']} (its own IPC path, one real vLLM for both columns): start {_ms(p['start_s'])} ms, "
-        f"send+load {_ms(p['send_load_s'])} (trainer quantize {_ms(p['trainer_quantize_s'])}), finish {_ms(p['finish_s'])}; "
+        f"{name} {p['engine']['vllm']} (its own IPC path, one real vLLM for both columns{learned}): start {_ms(p['start_s'])} ms, "
+        f"send+load {_ms(p['send_load_s'])} (trainer quantize {_ms(p['trainer_quantize_s'])}{by}), finish {_ms(p['finish_s'])}; "
         f"device peak+ {p['device_peak_extra_bytes'] / 2**30:.2f} GiB, mxrefit's {m['device_peak_extra_bytes'] / 2**30:.2f} GiB; "
         f"mxrefit into it is {versus} its own path; the engine's params after its own load vs after mxrefit's refit "
         f"of the same weights (sha256): {verdict} ({p['check']['params_checked']:,} params)"

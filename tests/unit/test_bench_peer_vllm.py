@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from mxrefit.bench.peer import unavailable as peer_unavailable
-from mxrefit.bench.peer_vllm import checkpoint_stream, config_dir, hf_config, unavailable
+from mxrefit.bench.peer_vllm import checkpoint_stream, config_dir, hf_config, own_quantizer, pick_quantizer, unavailable
+from mxrefit.formats import mxfp8
 from mxrefit.plan.eligibility import DEFAULT_RULES
 from mxrefit.plan.shapes import BUILTIN, ModelShape, hf_tensor_specs
 
@@ -117,3 +118,45 @@ def test_the_mxfp8_stream_holds_modelopt_checkpoint_names(experts):
     q, s = mxfp8_e4m3_quantize(source.contiguous())
     assert torch.equal(stream[gate].view(torch.uint8), q.view(torch.uint8))
     assert stream[gate + "_scale"].dtype == torch.uint8 and torch.equal(stream[gate + "_scale"], s.view(torch.uint8))
+
+
+def _floor_rule(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM 0.26's MXFP8 rule, written out here: scale byte floor(log2(amax)) + 127."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, 32)
+    amax = blocks.abs().amax(-1).clamp(min=torch.finfo(torch.float32).tiny)
+    sb = (torch.floor(torch.log2(amax)) + 127).clamp(0, 254)
+    q = (blocks / torch.exp2(sb - 127).unsqueeze(-1)).reshape(x.shape).to(torch.float8_e4m3fn)
+    return q, sb.to(torch.uint8)
+
+
+def test_vllms_own_quantizer_is_kept_where_it_writes_the_modelopt_rule():
+    pytest.importorskip("vllm")
+    quantize, info = own_quantizer(torch.device("cpu"))
+    assert info["modelopt_rule"] is True and info["function"].endswith("'s mxfp8_e4m3_quantize"), info
+    from vllm.model_executor.layers.quantization.utils.mxfp8_utils import mxfp8_e4m3_quantize
+
+    assert quantize is mxfp8_e4m3_quantize
+
+
+def test_a_quantizer_of_another_rule_is_replaced_by_mxrefits_and_the_reason_named():
+    """vLLM 0.26's rule writes other checkpoint bytes: the own path would then load another checkpoint
+    than mxrefit refits, and the bench's byte check would compare quantizers, not transfers."""
+    quantize, info = pick_quantizer(_floor_rule, "the floor rule", torch.device("cpu"))
+    assert info["modelopt_rule"] is False and info["function"] == "mxrefit.formats.mxfp8.quantize"
+    assert info["why"].startswith("the floor rule writes other bytes than a ModelOpt MXFP8 checkpoint holds: ")
+    differ = int(info["why"].split(": ")[1].split(" of ")[0])
+    assert differ > 0
+    w = torch.randn(64, 128, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    got, want = quantize(w), mxfp8.quantize(w, backend="torch")
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
+    stream = dict(checkpoint_stream({"model.layers.0.self_attn.o_proj.weight": w}, "mxfp8", {}, quantize))
+    assert torch.equal(stream["model.layers.0.self_attn.o_proj.weight_scale"], want[1])
+
+
+def test_a_quantizer_that_fails_on_the_probe_is_replaced_and_its_error_named():
+    def broken(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise RuntimeError("no kernel for this device")
+
+    _, info = pick_quantizer(broken, "broken", torch.device("cpu"))
+    assert info["modelopt_rule"] is False
+    assert info["why"].endswith("it failed on a probe: RuntimeError: no kernel for this device")

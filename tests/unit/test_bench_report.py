@@ -166,3 +166,22 @@ def test_a_vllm_peer_that_differs_names_the_params():
     result["peers"] = {"vllm": vllm_peer()}
     result["peers"]["vllm"]["check"]["mismatched"] = ["model.layers.0.mlp.experts.w13_weight"]
     assert "DIFFERENT for 1: ['model.layers.0.mlp.experts.w13_weight']" in render(result, 1000)
+
+
+def test_a_vllm_peer_says_which_quantizer_its_own_path_used_and_why():
+    result = widest_result()
+    result["peers"] = {"vllm": vllm_peer()}
+    why = "vLLM 0.26.0's mxfp8_e4m3_quantize writes other bytes than a ModelOpt MXFP8 checkpoint holds: 512 of 512 differ"
+    result["peers"]["vllm"]["engine"].update(
+        own_quantizer={"function": "mxrefit.formats.mxfp8.quantize", "modelopt_rule": False, "why": why},
+        learned_layout="1",
+    )
+    text = " ".join(render(result, 1000).split())
+    assert f"(trainer quantize 211.0 by mxrefit.formats.mxfp8.quantize ({why}))" in text
+    assert "both columns, mxrefit's learned layout)" in text
+    result["peers"]["vllm"]["engine"].update(
+        own_quantizer={"function": "vLLM 0.32.0's mxfp8_e4m3_quantize", "modelopt_rule": True}, learned_layout=""
+    )
+    text = " ".join(render(result, 1000).split())
+    assert "(trainer quantize 211.0 by vLLM 0.32.0's mxfp8_e4m3_quantize), finish" in text
+    assert "learned layout" not in text
