@@ -29,7 +29,8 @@
 #            sha256 of every parameter, buffer and plain kernel tensor of engine A and of each fresh vLLM compared
 #   peervllm `mxrefit bench --peer vllm` (run it alone: it times): qwen3-30b-a3b at PEER_LAYERS (24) layers, MXFP8
 #            then BF16 (PEER_FMTS), mxrefit and vLLM's own IPC path into one real vLLM, and the byte check;
-#            a format named FMT+learned runs with MXREFIT_LEARNED_LAYOUT=1 (Marlin MXFP8 as a learned byte gather)
+#            (the learned layout on, CUDA's default); FMT+processing runs with MXREFIT_LEARNED_LAYOUT=0 (vLLM's
+#            Marlin processing every refit)
 #   bench    issue 23 on the GPU (run it alone: it times): scripts/gpu_bench_table.sh, every part, beside this vLLM's
 #            packages (checkpoint-engine's wheel from .whl/); that script alone needs no vLLM
 # Everything lands in /tmp/res, packed at the end into $OUT/vllm_h200_<parts>.tar.gz, plus $OUT/summary.txt.
@@ -143,11 +144,11 @@ fi
 if has peervllm; then  # in the foreground, one format after another: it times
   fmts=${PEER_FMTS:-mxfp8,bf16}
   for f in ${fmts//,/ }; do
-    learned=; [[ $f == *+learned ]] && learned=1
+    learned=; [[ $f == *+processing ]] && learned=0
     tag=${f/+/_}
     MXREFIT_LEARNED_LAYOUT=$learned PYTHONPATH=$PYTHONPATH:$PWD/scripts/vllm_hooks/noray timeout ${PEER_TIMEOUT:-280} \
       python3 -m mxrefit bench --device cuda --no-progress --model qwen3-30b-a3b --layers ${PEER_LAYERS:-24} \
-      --format ${f%+learned} --mode prequant --peer vllm --steps 3 --json $RES/peer_vllm_$tag.json > $RES/peer_vllm_$tag.log 2>&1
+      --format ${f%+processing} --mode prequant --peer vllm --steps 3 --json $RES/peer_vllm_$tag.json > $RES/peer_vllm_$tag.log 2>&1
     echo "== peer_vllm_$tag (rc $?)" >> $RES/peer_vllm.txt
     sed -n '/mxrefit bench:/,$p' $RES/peer_vllm_$tag.log | grep -Ev '^(\(EngineCore|\[W|INFO|WARNING)' | tail -40 >> $RES/peer_vllm.txt
   done

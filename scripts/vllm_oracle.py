@@ -434,7 +434,7 @@ def cmd_run(args) -> int:
             now = answers(llm)
             if args.kernel_digests:
                 now["kernel"] = llm.collective_rpc(_kernel_digests_in_worker)[0]
-            learned = llm.collective_rpc(_learned_in_worker)[0] if os.environ.get("MXREFIT_LEARNED_LAYOUT") else None
+            learned = llm.collective_rpc(_learned_in_worker)[0]
             ck = os.path.join(work, f"ckpt{step}")
             save_checkpoint(policy, ck, args.fmt)
             out = os.path.join(work, f"oracle{step}.json")

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from mxrefit.devices import first_cuda_problem
+from mxrefit.engine.probed_layout import learned_layout_mode
 from mxrefit.integrations.vllm.client import refit_while
 from mxrefit.plan.eligibility import DEFAULT_RULES
 from mxrefit.plan.shapes import ModelShape
@@ -489,7 +490,7 @@ def run_vllm(
             "vllm": getattr(importlib.import_module("vllm"), "__version__", "unknown"),
             "start_s": time.perf_counter() - t0,
             "kwargs": {k: v for k, v in kwargs.items() if k != "model"},
-            "learned_layout": os.environ.get("MXREFIT_LEARNED_LAYOUT", ""),
+            "learned_layout": learned_layout_mode(device.type),
         }
         try:
             sender, info = start_mxrefit(llm, device, experts=experts, bucket_bytes=bucket_bytes, timeout_s=timeout_s)

@@ -171,7 +171,10 @@ def _vllm_line(name: str, p: dict[str, Any], verdict: str) -> str:
     by = f" by {quantizer['function']}" if quantizer else ""
     if quantizer and not quantizer["modelopt_rule"]:
         by += f" ({quantizer['why']})"
-    learned = ", mxrefit's learned layout" if p["engine"].get("learned_layout") in ("1", "quantized") else ""
+    mode = p["engine"].get("learned_layout")
+    learned = {"1": ", mxrefit's learned layout", "quantized": ", mxrefit's learned layout", "0": ", learned layout off"}.get(
+        mode, ""
+    )
     return (
         f"{name} {p['engine']['vllm']} (its own IPC path, one real vLLM for both columns{learned}): start {_ms(p['start_s'])} ms, "
         f"send+load {_ms(p['send_load_s'])} (trainer quantize {_ms(p['trainer_quantize_s'])}{by}), finish {_ms(p['finish_s'])}; "

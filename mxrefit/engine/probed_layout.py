@@ -44,6 +44,7 @@ on CPU, a Marlin-like repack and negative controls.
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import time
 from collections.abc import Callable, Hashable
@@ -59,6 +60,25 @@ CHECK_BYTES = 1 << 26  # scratch for checking a learned gather against the proce
 CHUNK_BLOCK, CHUNK_BYTES = 1024, 16  # the chunked kernel's output block and input chunk (Marlin: 16x64 tiles, 16-byte rows)
 OTHER_KERNEL_WINS = 0.95  # another kernel is kept only if it took less than this share of the byte gather's time
 TILE_PERIODS = tuple(1 << p for p in range(6, 17))  # 64 B .. 64 KB: output tiles a periodic index may repeat over
+LEARNED_LAYOUT_ENV = "MXREFIT_LEARNED_LAYOUT"
+LEARNED_LAYOUT_MODES = ("0", "1", "quantized")
+
+
+def learned_layout_mode(device_type: str, value: str | None = None) -> str:
+    """What an engine on ``device_type`` learns, from ``value`` (default: ``MXREFIT_LEARNED_LAYOUT``).
+
+    "1": modules whose processing is known to be a byte permutation (Hopper's Marlin MXFP8; on
+    CUDA also small unquantized linears, learned as identities); "quantized": every quantized
+    module (tests, kernels known to keep no state outside tensors); "0": none, vLLM's processing
+    every refit. Unset or empty: "1" on CUDA, where every learned layout passed fresh-vLLM oracles
+    on Hopper (docs/vllm.md), "0" elsewhere (the CPU build keeps packed state no probe sees)."""
+    value = os.environ.get(LEARNED_LAYOUT_ENV, "") if value is None else value
+    if value == "":
+        return "1" if device_type == "cuda" else "0"
+    if value not in LEARNED_LAYOUT_MODES:
+        raise ValueError(f"{LEARNED_LAYOUT_ENV}={value!r}: use one of {', '.join(LEARNED_LAYOUT_MODES)} (or leave it unset)")
+    return value
+
 
 log = logging.getLogger("mxrefit.engine.probed_layout")
 

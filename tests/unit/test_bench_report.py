@@ -180,8 +180,8 @@ def test_a_vllm_peer_says_which_quantizer_its_own_path_used_and_why():
     assert f"(trainer quantize 211.0 by mxrefit.formats.mxfp8.quantize ({why}))" in text
     assert "both columns, mxrefit's learned layout)" in text
     result["peers"]["vllm"]["engine"].update(
-        own_quantizer={"function": "vLLM 0.32.0's mxfp8_e4m3_quantize", "modelopt_rule": True}, learned_layout=""
+        own_quantizer={"function": "vLLM 0.32.0's mxfp8_e4m3_quantize", "modelopt_rule": True}, learned_layout="0"
     )
     text = " ".join(render(result, 1000).split())
     assert "(trainer quantize 211.0 by vLLM 0.32.0's mxfp8_e4m3_quantize), finish" in text
-    assert "learned layout" not in text
+    assert "both columns, learned layout off)" in text and "mxrefit's learned layout" not in text

@@ -23,7 +23,15 @@ import torch
 
 from mxrefit.devices import triton_kernels
 from mxrefit.engine import probed_layout
-from mxrefit.engine.probed_layout import ChunkTable, LayoutCache, ProbedLayout, TiledIndex, derive, tensor_signature
+from mxrefit.engine.probed_layout import (
+    ChunkTable,
+    LayoutCache,
+    ProbedLayout,
+    TiledIndex,
+    derive,
+    learned_layout_mode,
+    tensor_signature,
+)
 from mxrefit.integrations.vllm.trtllm import SCALE_BLOCK, MoeLayout
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
@@ -583,3 +591,18 @@ def test_identity_is_refused_when_kept_state_follows_the_weights():
 
     verdict = probed_layout.learn_identity(process, module.kernel, staged, watch=lambda: dict(kept))
     assert verdict.decided and not verdict.kept and "['amax']" in verdict.reason, verdict
+
+
+def test_the_learned_layout_is_on_by_default_on_cuda_only_and_settable(monkeypatch):
+    """Unset or empty: on for CUDA (it passed fresh-vLLM oracles on Hopper), off elsewhere (the CPU
+    build keeps packed state no probe sees); "0", "1", "quantized" as set; anything else named."""
+    monkeypatch.delenv("MXREFIT_LEARNED_LAYOUT", raising=False)
+    assert learned_layout_mode("cuda") == "1" and learned_layout_mode("cpu") == "0"
+    monkeypatch.setenv("MXREFIT_LEARNED_LAYOUT", "")
+    assert learned_layout_mode("cuda") == "1" and learned_layout_mode("cpu") == "0"
+    for value in ("0", "1", "quantized"):
+        monkeypatch.setenv("MXREFIT_LEARNED_LAYOUT", value)
+        assert learned_layout_mode("cuda") == value and learned_layout_mode("cpu") == value
+    monkeypatch.setenv("MXREFIT_LEARNED_LAYOUT", "yes")
+    with pytest.raises(ValueError, match=r"MXREFIT_LEARNED_LAYOUT='yes': use one of 0, 1, quantized"):
+        learned_layout_mode("cuda")

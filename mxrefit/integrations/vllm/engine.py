@@ -49,7 +49,14 @@ import torch
 
 from mxrefit.devices import resolve
 from mxrefit.engine.base import Engine
-from mxrefit.engine.probed_layout import IdentityVerdict, LayoutCache, ProbedLayout, learn_identity, tensor_signature
+from mxrefit.engine.probed_layout import (
+    IdentityVerdict,
+    LayoutCache,
+    ProbedLayout,
+    learn_identity,
+    learned_layout_mode,
+    tensor_signature,
+)
 from mxrefit.engine.staging import StagedUnit, StagingPool
 from mxrefit.formats import get_format
 from mxrefit.formats.block_permutation import BlockPermutation
@@ -649,9 +656,9 @@ class VllmEngine(Engine):
         # per module and quant-method class in ``process_by_kind``: where a refit's processing goes
         self._profile = os.environ.get("MXREFIT_PROFILE") == "1"
         self.process_by_kind: dict[str, float] = {}
-        # MXREFIT_LEARNED_LAYOUT=1: Marlin MXFP8 modules take a byte gather learned from vLLM's own processing
-        # (engine/probed_layout.py) instead of re-running it; opt-in until it has run against a fresh vLLM on
-        # Hopper. "quantized": every quantized module is probed (the probe's checks guard each signature, but
+        # MXREFIT_LEARNED_LAYOUT (``learned_layout_mode``; on CUDA "1" unless set): Marlin MXFP8 modules take a
+        # byte gather learned from vLLM's own processing (engine/probed_layout.py) instead of re-running it; "0"
+        # keeps vLLM's processing every refit. "quantized": every quantized module is probed (the probe's checks guard each signature, but
         # state a kernel keeps outside tensors, a oneDNN handle say, is invisible to them): for tests and
         # kernels known to keep none. On CUDA, unquantized linears of up to PROBE_UNQUANTIZED_BYTES are probed
         # too: vLLM's processing of them there leaves the bytes as loaded (a learned identity: a plain copy
@@ -661,7 +668,7 @@ class VllmEngine(Engine):
         # sums) beside a full engine (5 GB for a 30B model's embedding), and vLLM's reload of those is rare.
         # Unquantized MoE experts on CUDA's Triton backend, whose processing is a copy at most, are
         # checked instead on their first real refit (``learn_identity``) and then copied plainly.
-        learned = os.environ.get("MXREFIT_LEARNED_LAYOUT", "")
+        learned = learned_layout_mode(self._device.type)
         self._layouts = LayoutCache() if learned in ("1", "quantized") else None
         self._learn_quantized = learned == "quantized"
         self._learn_unquantized = self._device.type == "cuda"
