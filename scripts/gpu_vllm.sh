@@ -28,9 +28,9 @@
 #   digests  the 3.54e-4 hunt (docs/vllm.md): dense MXFP8 through the extension, the backend and the learned layout,
 #            sha256 of every parameter, buffer and plain kernel tensor of engine A and of each fresh vLLM compared
 #   peervllm `mxrefit bench --peer vllm` (run it alone: it times): qwen3-30b-a3b at PEER_LAYERS (24) layers, MXFP8
-#            then BF16 (PEER_FMTS), mxrefit and vLLM's own IPC path into one real vLLM, and the byte check;
-#            (the learned layout on, CUDA's default); FMT+processing runs with MXREFIT_LEARNED_LAYOUT=0 (vLLM's
-#            Marlin processing every refit)
+#            then BF16 (PEER_FMTS), mxrefit (learned layout on, CUDA's default) and vLLM's own IPC path into one
+#            real vLLM, and the byte check; FMT+processing runs with MXREFIT_LEARNED_LAYOUT=0 (vLLM's Marlin
+#            processing every refit)
 #   bench    issue 23 on the GPU (run it alone: it times): scripts/gpu_bench_table.sh, every part, beside this vLLM's
 #            packages (checkpoint-engine's wheel from .whl/); that script alone needs no vLLM
 # Everything lands in /tmp/res, packed at the end into $OUT/vllm_h200_<parts>.tar.gz, plus $OUT/summary.txt.

@@ -484,13 +484,14 @@ def run_vllm(
     with tempfile.TemporaryDirectory(prefix="mxrefit_peer_vllm_") as tmp:
         path = config_dir(os.path.join(work or tmp, f"{shape.name.replace('@', '_')}_{fmt}"), shape, fmt)
         kwargs = engine_kwargs(path, gpu_util=free_fraction(device))
+        learned = learned_layout_mode(device.type)  # a bad MXREFIT_LEARNED_LAYOUT is named before vLLM starts
         t0 = time.perf_counter()
         llm = LLM(**kwargs)
         engine: dict[str, Any] = {
             "vllm": getattr(importlib.import_module("vllm"), "__version__", "unknown"),
             "start_s": time.perf_counter() - t0,
             "kwargs": {k: v for k, v in kwargs.items() if k != "model"},
-            "learned_layout": learned_layout_mode(device.type),
+            "learned_layout": learned,
         }
         try:
             sender, info = start_mxrefit(llm, device, experts=experts, bucket_bytes=bucket_bytes, timeout_s=timeout_s)

@@ -658,9 +658,9 @@ class VllmEngine(Engine):
         self.process_by_kind: dict[str, float] = {}
         # MXREFIT_LEARNED_LAYOUT (``learned_layout_mode``; on CUDA "1" unless set): Marlin MXFP8 modules take a
         # byte gather learned from vLLM's own processing (engine/probed_layout.py) instead of re-running it; "0"
-        # keeps vLLM's processing every refit. "quantized": every quantized module is probed (the probe's checks guard each signature, but
-        # state a kernel keeps outside tensors, a oneDNN handle say, is invisible to them): for tests and
-        # kernels known to keep none. On CUDA, unquantized linears of up to PROBE_UNQUANTIZED_BYTES are probed
+        # keeps vLLM's processing every refit. "quantized": every quantized module is probed (the probe's
+        # checks guard each signature, but state a kernel keeps outside tensors, a oneDNN handle say, is
+        # invisible to them): for tests and kernels known to keep none. On CUDA, unquantized linears of up to PROBE_UNQUANTIZED_BYTES are probed
         # too: vLLM's processing of them there leaves the bytes as loaded (a learned identity: a plain copy
         # instead of vLLM's reload of the module, 0.3-0.5 ms each on the H200); on CPU never (the CPU build
         # prepacks them into oneDNN state no probe sees). Not probed: larger ones, embeddings and unquantized
