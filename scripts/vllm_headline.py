@@ -160,9 +160,10 @@ def soak(args, llm, sender, weights: dict, dump) -> dict:
 
 
 def steady_ms(rows: list[dict]) -> float:
-    """Median refit time after the first (which learns and builds staging) and any that planned again."""
-    steady = [r for r in rows[1:] if not r.get("replanned")] or rows[1:] or rows
-    return statistics.median(r["total_ms"] for r in steady)
+    """Median refit time after the refits that settled the layout (``peer_vllm.settled_at``)."""
+    from mxrefit.bench.peer_vllm import settled_at
+
+    return statistics.median(r["total_ms"] for r in rows[settled_at(rows) :] or rows)
 
 
 def mxrefit_refits(args, what: str, llm, sender, weights: dict, n: int | None = None) -> list[dict]:

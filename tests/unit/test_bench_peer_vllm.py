@@ -12,7 +12,17 @@ import pytest
 import torch
 
 from mxrefit.bench.peer import unavailable as peer_unavailable
-from mxrefit.bench.peer_vllm import checkpoint_stream, config_dir, hf_config, own_quantizer, pick_quantizer, unavailable
+from mxrefit.bench.peer_vllm import (
+    SETTLE_MAX,
+    checkpoint_stream,
+    config_dir,
+    hf_config,
+    own_quantizer,
+    pick_quantizer,
+    refit_until_settled,
+    settled_at,
+    unavailable,
+)
 from mxrefit.formats import mxfp8
 from mxrefit.plan.eligibility import DEFAULT_RULES
 from mxrefit.plan.shapes import BUILTIN, ModelShape, hf_tensor_specs
@@ -160,3 +170,42 @@ def test_a_quantizer_that_fails_on_the_probe_is_replaced_and_its_error_named():
     _, info = pick_quantizer(broken, "broken", torch.device("cpu"))
     assert info["modelopt_rule"] is False
     assert info["why"].endswith("it failed on a probe: RuntimeError: no kernel for this device")
+
+
+def _scripted(replans: set[int], totals: dict[int, float] | None = None):
+    """Refit rows as mxrefit's path reports them: ``replanned`` at the given refits."""
+    calls: list[int] = []
+
+    def refit(i: int) -> dict:
+        calls.append(i)
+        return {"replanned": i in replans, "total_s": (totals or {}).get(i, 0.05)}
+
+    return refit, calls
+
+
+def test_without_planning_again_the_path_runs_steps_refits_and_the_first_is_the_warm_up():
+    refit, calls = _scripted(set())
+    rows, settled = refit_until_settled(refit, steps=3)
+    assert settled and calls == [0, 1, 2] and settled_at(rows) == 1
+
+
+def test_the_learning_refits_are_run_apart_and_the_medians_come_after_them():
+    # the H100's learned-layout run of 2026-12-07: refit 0 learns vLLM's layout, refit 1 plans again
+    # to write it; with `steps` rows only, the median mixed refit 1 (2.5 s) with a steady one (57 ms)
+    refit, calls = _scripted({1}, {0: 5.0, 1: 2.52})
+    rows, settled = refit_until_settled(refit, steps=3)
+    assert settled and calls == [0, 1, 2, 3] and settled_at(rows) == 2
+    assert [r["total_s"] for r in rows[settled_at(rows) :]] == [0.05, 0.05]
+
+
+def test_a_path_that_keeps_planning_again_stops_and_says_so():
+    refit, calls = _scripted(set(range(1, 100)))
+    rows, settled = refit_until_settled(refit, steps=3)
+    assert not settled and len(calls) == 3 + SETTLE_MAX
+    assert settled_at(rows) == len(rows) - 1  # its medians are the last refit's
+
+
+def test_one_step_still_times_a_refit_after_the_warm_up():
+    refit, calls = _scripted(set())
+    rows, settled = refit_until_settled(refit, steps=1)
+    assert settled and calls == [0, 1] and settled_at(rows) == 1

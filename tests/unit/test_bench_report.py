@@ -185,3 +185,20 @@ def test_a_vllm_peer_says_which_quantizer_its_own_path_used_and_why():
     text = " ".join(render(result, 1000).split())
     assert "(trainer quantize 211.0 by vLLM 0.32.0's mxfp8_e4m3_quantize), finish" in text
     assert "both columns, learned layout off)" in text and "mxrefit's learned layout" not in text
+
+
+def test_a_vllm_peer_names_the_refits_that_settled_mxrefits_layout():
+    result = widest_result()
+    result["peers"] = {"vllm": vllm_peer()}
+    text = " ".join(render(result, 1000).split())
+    assert "settled" not in text and "NOT settle" not in text  # nothing planned again: no settling named
+    settle = {"refits": 2, "total_s": 7.5313, "replans": 1, "settled": True, "steady_refits": 2}
+    result["peers"]["vllm"]["mxrefit"]["settle"] = settle
+    text = " ".join(render(result, 1000).split())
+    assert (
+        "mxrefit's first 2 refits settled its layout (1 planned again, 7,531.3 ms in all), its medians are over the 2 after;"
+        in text
+    )
+    result["peers"]["vllm"]["mxrefit"]["settle"] = {**settle, "refits": 6, "steady_refits": 1, "settled": False}
+    text = " ".join(render(result, 1000).split())
+    assert "mxrefit's path did NOT settle in 7 refits (the last planned again); its medians are that last refit's;" in text
