@@ -433,13 +433,11 @@ def refit_until_settled(refit: Callable[[int], dict[str, Any]], steps: int) -> t
     ``steps + SETTLE_MAX`` in all; returns the rows and whether the path settled."""
     want = max(1, steps - 1)
     rows: list[dict[str, Any]] = []
-    while True:
+    while len(rows) < steps + SETTLE_MAX:
         rows.append(refit(len(rows)))
-        steady = len(rows) - settled_at(rows) if len(rows) > 1 else 0
-        if steady >= want and not rows[-1].get("replanned"):
+        if len(rows) > 1 and not rows[-1].get("replanned") and len(rows) - settled_at(rows) >= want:
             return rows, True
-        if len(rows) >= steps + SETTLE_MAX:
-            return rows, False
+    return rows, False
 
 
 def _median(rows: list[dict[str, Any]], key: str, warm: int = 1) -> float:

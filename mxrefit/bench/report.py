@@ -177,15 +177,14 @@ def _vllm_line(name: str, p: dict[str, Any], verdict: str) -> str:
     )
     settle = m.get("settle") or {}
     settling = ""
-    if settle.get("replans") or not settle.get("settled", True):
+    if not settle.get("settled", True):
+        n = settle["refits"] + settle["steady_refits"]
+        settling = f"mxrefit's path did NOT settle in {n} refits (the last planned again); its medians are that last refit's; "
+    elif settle.get("replans"):
         settling = (
             f"mxrefit's first {settle['refits']} refits settled its layout ({settle['replans']} planned again, "
-            f"{_ms(settle['total_s'])} ms in all), its medians are over the {settle['steady_refits']} after"
+            f"{_ms(settle['total_s'])} ms in all), its medians are over the {settle['steady_refits']} after; "
         )
-        if not settle["settled"]:
-            n = settle["refits"] + settle["steady_refits"]
-            settling = f"mxrefit's path did NOT settle in {n} refits (the last planned again); its medians are that last refit's"
-        settling += "; "
     return (
         f"{name} {p['engine']['vllm']} (its own IPC path, one real vLLM for both columns{learned}): start {_ms(p['start_s'])} ms, "
         f"send+load {_ms(p['send_load_s'])} (trainer quantize {_ms(p['trainer_quantize_s'])}{by}), finish {_ms(p['finish_s'])}; "

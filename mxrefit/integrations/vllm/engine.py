@@ -660,12 +660,13 @@ class VllmEngine(Engine):
         # byte gather learned from vLLM's own processing (engine/probed_layout.py) instead of re-running it; "0"
         # keeps vLLM's processing every refit. "quantized": every quantized module is probed (the probe's
         # checks guard each signature, but state a kernel keeps outside tensors, a oneDNN handle say, is
-        # invisible to them): for tests and kernels known to keep none. On CUDA, unquantized linears of up to PROBE_UNQUANTIZED_BYTES are probed
-        # too: vLLM's processing of them there leaves the bytes as loaded (a learned identity: a plain copy
-        # instead of vLLM's reload of the module, 0.3-0.5 ms each on the H200); on CPU never (the CPU build
-        # prepacks them into oneDNN state no probe sees). Not probed: larger ones, embeddings and unquantized
-        # MoE experts, since a probe holds ~18 bytes of scratch per byte of the module (int64 codes and
-        # sums) beside a full engine (5 GB for a 30B model's embedding), and vLLM's reload of those is rare.
+        # invisible to them): for tests and kernels known to keep none. On CUDA, unquantized linears of up
+        # to PROBE_UNQUANTIZED_BYTES are probed too: vLLM's processing of them there leaves the bytes as
+        # loaded (a learned identity: a plain copy instead of vLLM's reload of the module, 0.3-0.5 ms each
+        # on the H200); on CPU never (the CPU build prepacks them into oneDNN state no probe sees). Not
+        # probed: larger ones, embeddings and unquantized MoE experts, since a probe holds ~18 bytes of
+        # scratch per byte of the module (int64 codes and sums) beside a full engine (5 GB for a 30B
+        # model's embedding), and vLLM's reload of those is rare.
         # Unquantized MoE experts on CUDA's Triton backend, whose processing is a copy at most, are
         # checked instead on their first real refit (``learn_identity``) and then copied plainly.
         learned = learned_layout_mode(self._device.type)
