@@ -209,3 +209,22 @@ def test_one_step_still_times_a_refit_after_the_warm_up():
     refit, calls = _scripted(set())
     rows, settled = refit_until_settled(refit, steps=1)
     assert settled and calls == [0, 1] and settled_at(rows) == 1
+
+
+def test_the_open_ended_bar_never_reads_full_before_its_run_returns():
+    """The settling refits are not known ahead: five refits against a planned four."""
+    from rich.progress import Progress
+
+    from mxrefit.bench.run import advance_open_ended, completed
+
+    with Progress(disable=True) as bar:
+        task = bar.add_task("refits", total=4)
+        plain = bar.add_task("negative control", total=4)
+        for _ in range(5):
+            advance_open_ended(bar, task)
+            bar.advance(plain)
+            t = next(t for t in bar.tasks if t.id == task)
+            assert t.completed < t.total
+        assert next(t for t in bar.tasks if t.id == plain).finished  # the plain advance reads full early
+        bar.update(task, total=completed(bar, task))
+        assert next(t for t in bar.tasks if t.id == task).finished
