@@ -59,7 +59,7 @@ from mxrefit.transport.bytesum import tensor_sha256
 from mxrefit.transport.factory import default_kind
 
 if TYPE_CHECKING:
-    from rich.progress import Progress, TaskID
+    from rich.progress import Progress, Task, TaskID
 
 MODES = ("baseline", "prequant")
 ALL_MODES = ("baseline", "prequant", "prequant-buffers")
@@ -170,14 +170,14 @@ def advance_open_ended(bar: Progress, task: TaskID) -> None:
     """One step of a count not known ahead (the learned layout's settling refits): the total stays
     above what is done, so the bar never reads full before its run returns."""
     bar.advance(task)
-    done = completed(bar, task)
-    total = next(t.total for t in bar.tasks if t.id == task)
-    if total is not None and done >= total:
-        bar.update(task, total=done + 1)
+    t = task_of(bar, task)
+    if t.total is not None and t.completed >= t.total:
+        bar.update(task, total=t.completed + 1)
 
 
-def completed(bar: Progress, task: TaskID) -> float:
-    return next(t.completed for t in bar.tasks if t.id == task)
+def task_of(bar: Progress, task: TaskID) -> Task:
+    """rich's task record by its id (``Progress.tasks`` is a list, not keyed by id)."""
+    return next(t for t in bar.tasks if t.id == task)
 
 
 def make_weights(specs: list[SourceSpec], device: torch.device, progress=None, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -459,7 +459,7 @@ def bench(
                     step=lambda i: perturb(weights, i),
                     on_step=functools.partial(advance_open_ended, bar, task),
                 )
-                bar.update(task, total=completed(bar, task))
+                bar.update(task, total=task_of(bar, task).completed)
                 continue
             task = bar.add_task(f"{peer} refits", total=warmup + steps)
             peer_results[peer] = run_checkpoint_engine(

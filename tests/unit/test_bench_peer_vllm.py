@@ -215,7 +215,7 @@ def test_the_open_ended_bar_never_reads_full_before_its_run_returns():
     """The settling refits are not known ahead: five refits against a planned four."""
     from rich.progress import Progress
 
-    from mxrefit.bench.run import advance_open_ended, completed
+    from mxrefit.bench.run import advance_open_ended, task_of
 
     with Progress(disable=True) as bar:
         task = bar.add_task("refits", total=4)
@@ -223,8 +223,8 @@ def test_the_open_ended_bar_never_reads_full_before_its_run_returns():
         for _ in range(5):
             advance_open_ended(bar, task)
             bar.advance(plain)
-            t = next(t for t in bar.tasks if t.id == task)
-            assert t.completed < t.total
-        assert next(t for t in bar.tasks if t.id == plain).finished  # the plain advance reads full early
-        bar.update(task, total=completed(bar, task))
-        assert next(t for t in bar.tasks if t.id == task).finished
+            t = task_of(bar, task)
+            assert t.total is not None and t.completed < t.total
+        assert task_of(bar, plain).finished  # the plain advance reads full early
+        bar.update(task, total=task_of(bar, task).completed)
+        assert task_of(bar, task).finished
